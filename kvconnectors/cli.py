@@ -1,0 +1,58 @@
+"""The `kvconnectors` command: one sub-command per module, registered lazily.
+
+Each sub-command lives in the module that does the work and exposes
+`add_arguments(parser)` and `run(args) -> int`; this file only wires them up, so
+`kvconnectors --help` stays fast (no vLLM or torch import until a command runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("kvconnectors.planner_cli", "Should I split prefill and decode, and how many GPUs per pool?"),
+    "demo": ("kvconnectors.demo", "Run a real prefill->decode handoff on the tiny model and compare with colocated."),
+    "make-model": ("kvconnectors.testing.tinymodel", "Generate the deterministic tiny test model."),
+    "serve-pd": ("integration.launcher", "Launch prefill and decode `vllm serve` pools plus the P/D proxy."),
+    "proxy": ("integration.proxy", "Run the P/D proxy in front of running prefill/decode instances."),
+    "conformance": ("kvconnectors.conformance.cli", "Run the connector conformance suite and print a matrix."),
+    "bench": ("benchmarks.cli", "Run a benchmark (transfer, layerwise, tiers, e2e)."),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvconnectors", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        if only is not None and name != only:
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # a sub-command whose extra is not installed
+            p.set_defaults(_unavailable=f"{name} is unavailable: {exc}")
+            continue
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only=command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if getattr(args, "_unavailable", None):
+        parser.error(args._unavailable)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
