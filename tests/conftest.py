@@ -1,0 +1,31 @@
+"""Shared fixtures. Engine tests build real vLLM engines on CPU; they never run in parallel."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("UCX_MODULES", "^ib")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("KVCONNECTORS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "engine: builds real vLLM engines or servers (slow, serial)")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from kvconnectors.testing.tinymodel import ensure_tiny_model
+
+    return str(ensure_tiny_model("tiny"))
+
+
+@pytest.fixture(scope="session")
+def deep_model() -> str:
+    from kvconnectors.testing.tinymodel import ensure_tiny_model
+
+    return str(ensure_tiny_model("deep"))
