@@ -1,0 +1,110 @@
+"""TieredConnector settings, read from `kv_connector_extra_config` and validated at start-up.
+
+Every key, its default and what it does is listed in `FIELDS` (and in tiered/README.md). A
+bad value fails engine start-up with an error naming the key and the value; unknown keys are
+rejected too, because a typo silently ignored is a setting silently lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvconnectors.errors import ConfigError
+from kvconnectors.store.sizes import parse_size
+
+TRANSPORTS = ("tcp", "shm", "nixl")
+FAILURE_POLICIES = ("fail", "recompute", "retry")
+
+
+@dataclass
+class TieredConfig:
+    transport: str = "tcp"
+    bind_host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    store_port: int = 0
+    lease_ttl_s: float = 30.0
+    heartbeat_interval_s: float | None = None
+    dram_bytes: int | str = "1g"
+    nvme_dirs: list[str] = field(default_factory=list)
+    nvme_bytes: int | str = 0
+    load_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    checksum: bool = True
+    secret_file: str | None = None
+    max_concurrent_loads: int = 4
+    instance_name: str = "kvc"
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ConfigError("transport", self.transport, f"must be one of {', '.join(TRANSPORTS)}")
+        _host("bind_host", self.bind_host)
+        if self.advertise_host is None:
+            if self.bind_host in ("0.0.0.0", "::"):
+                raise ConfigError("advertise_host", None, (
+                    f"must be set when bind_host is the wildcard {self.bind_host!r}: consumers need an address "
+                    "they can reach"))
+            self.advertise_host = self.bind_host
+        else:
+            _host("advertise_host", self.advertise_host)
+        if isinstance(self.store_port, bool) or not isinstance(self.store_port, int) \
+                or not 0 <= self.store_port <= 65535:
+            raise ConfigError("store_port", self.store_port, "must be an integer port in [0, 65535] (0 = any free)")
+        for key in ("lease_ttl_s", "load_timeout_s", "connect_timeout_s"):
+            setattr(self, key, _seconds(key, getattr(self, key)))
+        if self.heartbeat_interval_s is None:
+            self.heartbeat_interval_s = self.lease_ttl_s / 3
+        self.heartbeat_interval_s = _seconds("heartbeat_interval_s", self.heartbeat_interval_s)
+        if self.heartbeat_interval_s >= self.lease_ttl_s:
+            raise ConfigError("heartbeat_interval_s", self.heartbeat_interval_s,
+                              f"must be shorter than lease_ttl_s ({self.lease_ttl_s}), or leases lapse between beats")
+        self.dram_bytes = _size("dram_bytes", self.dram_bytes)
+        self.nvme_bytes = _size("nvme_bytes", self.nvme_bytes, allow_zero=True)
+        if not isinstance(self.nvme_dirs, list) or not all(isinstance(d, str) and d for d in self.nvme_dirs):
+            raise ConfigError("nvme_dirs", self.nvme_dirs, "must be a list of directory paths")
+        if self.nvme_bytes and not self.nvme_dirs:
+            raise ConfigError("nvme_bytes", self.nvme_bytes, "is set but nvme_dirs is empty")
+        if not isinstance(self.checksum, bool):
+            raise ConfigError("checksum", self.checksum, "must be true or false")
+        if isinstance(self.max_concurrent_loads, bool) or not isinstance(self.max_concurrent_loads, int) \
+                or self.max_concurrent_loads < 1:
+            raise ConfigError("max_concurrent_loads", self.max_concurrent_loads, "must be an integer >= 1")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "TieredConfig":
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(unknown[0], extra[unknown[0]],
+                              f"unknown TieredConnector setting; known settings: {', '.join(sorted(known))}")
+        return cls(**extra)
+
+
+def _host(key: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, value, "must be a host name or IP address")
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not all(part and part.replace("-", "").isalnum() for part in value.split(".")):
+            raise ConfigError(key, value, "is neither an IP address nor a valid host name") from None
+
+
+def _seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(key, value, "must be a positive number of seconds")
+    return float(value)
+
+
+def _size(key: str, value: Any, allow_zero: bool = False) -> int:
+    try:
+        n = parse_size(value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(key, value, f"is not a size ({exc}); use e.g. 1073741824, '8g' or '512MiB'") from None
+    if n < 0 or (n == 0 and not allow_zero):
+        raise ConfigError(key, value, "must be a positive size")
+    return n

@@ -1,0 +1,104 @@
+"""Consumer-side lease heartbeats and explicit releases.
+
+While a request waits in the consumer's queue, its producer-side entry must not expire; the
+keeper renews every tracked transfer each `interval` seconds (one connection per producer per
+beat). When a request is aborted before its KV was pulled, the keeper tells the producer to
+release the entry now instead of holding it until the TTL runs out. One thread, woken by an
+event: no polling while idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+from kvconnectors.errors import TransferError
+from kvconnectors.transport.client import StoreClient
+
+logger = logging.getLogger(__name__)
+
+Addr = tuple[str, int]
+
+
+class LeaseKeeper:
+    def __init__(self, interval_s: float, client_factory: Callable[[Addr], StoreClient],
+                 rpc_timeout_s: float = 5.0):
+        self.interval_s, self.rpc_timeout_s = interval_s, rpc_timeout_s
+        self._client = client_factory
+        self._tracked: dict[str, tuple[Addr, str]] = {}   # req_id -> (producer, transfer id)
+        self._to_release: list[tuple[Addr, str]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.renewals = 0
+        self.releases = 0
+        self.lost: dict[str, str] = {}  # req_id -> cause, for leases the producer no longer holds
+        self._thread = threading.Thread(target=self._run, name="kvc-lease-keeper", daemon=True)
+        self._thread.start()
+
+    def track(self, req_id: str, addr: Addr, transfer_id: str) -> None:
+        with self._lock:
+            self._tracked[req_id] = (addr, transfer_id)
+
+    def untrack(self, req_id: str) -> None:
+        with self._lock:
+            self._tracked.pop(req_id, None)
+
+    def release(self, req_id: str, addr: Addr, transfer_id: str) -> None:
+        with self._lock:
+            self._tracked.pop(req_id, None)
+            self._to_release.append((addr, transfer_id))
+        self._wake.set()
+
+    @property
+    def tracked(self) -> int:
+        with self._lock:
+            return len(self._tracked)
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=self.rpc_timeout_s * 2)
+        self._flush_releases()  # an engine shutting down still gives back what it was handed
+
+    def _run(self) -> None:
+        next_beat = time.monotonic() + self.interval_s
+        while not self._stop:
+            self._wake.wait(timeout=max(0.0, next_beat - time.monotonic()))
+            self._wake.clear()
+            if self._stop:
+                return
+            self._flush_releases()
+            if time.monotonic() >= next_beat:
+                self._beat()
+                next_beat = time.monotonic() + self.interval_s
+
+    def _flush_releases(self) -> None:
+        with self._lock:
+            batch, self._to_release = self._to_release, []
+        for addr, tid in batch:
+            try:
+                with self._client(addr) as c:
+                    c.release(tid, time.monotonic() + self.rpc_timeout_s)
+                self.releases += 1
+            except (TransferError, OSError) as exc:
+                logger.warning("could not release transfer %s at %s:%s (it will expire): %s", tid, *addr, exc)
+
+    def _beat(self) -> None:
+        with self._lock:
+            by_peer: dict[Addr, dict[str, str]] = defaultdict(dict)
+            for req_id, (addr, tid) in self._tracked.items():
+                by_peer[addr][tid] = req_id
+        for addr, tids in by_peer.items():
+            try:
+                with self._client(addr) as c:
+                    reply = c.renew(list(tids), time.monotonic() + self.rpc_timeout_s)
+            except (TransferError, OSError) as exc:
+                logger.warning("lease heartbeat to producer %s:%s failed: %s", *addr, exc)
+                continue
+            self.renewals += len(reply.remaining)
+            for tid, cause in reply.missing.items():
+                self.lost[tids[tid]] = cause

@@ -1,0 +1,52 @@
+"""Scheduler -> worker metadata for one engine step (plain dataclasses keyed by request id).
+
+It rides inside vLLM's SchedulerOutput to the worker processes, so it holds only plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorHandshakeMetadata,
+                                                                KVConnectorMetadata)
+
+from kvconnectors.errors import FailureCause
+
+
+@dataclass
+class SaveSpec:
+    """Stage blocks [first_block, end_block) of a producer request after this step's layers run."""
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]      # local block ids for blocks [first_block, end_block)
+    first_block: int
+    total_blocks: int         # blocks of the whole prompt (the store entry's size)
+    seal: bool                # this step completes the prompt: seal after the copies
+
+
+@dataclass
+class RecvSpec:
+    """Pull a transfer into local blocks for a consumer request."""
+    req_id: str
+    params: dict | None       # the TransferParams as builtins (None when `error` is set)
+    block_ids: list[int]      # local destination blocks, for remote blocks [first_block, ...)
+    first_block: int
+    error_cause: FailureCause | None = None  # params already found bad by the scheduler
+    error_message: str = ""
+
+
+@dataclass
+class TieredConnectorMetadata(KVConnectorMetadata):
+    saves: list[SaveSpec] = field(default_factory=list)
+    recvs: list[RecvSpec] = field(default_factory=list)
+    drops: list[str] = field(default_factory=list)   # transfer ids whose staging was abandoned
+
+
+@dataclass
+class TieredHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler at start-up: where this rank's store server listens."""
+    host: str
+    port: int
+    tp_rank: int
+    fingerprint: str
+    shm_path: str = ""

@@ -1,0 +1,97 @@
+"""`kv_transfer_params`: what the producer hands back to the client and the proxy carries to
+the consumer. Built by the producer's scheduler side, validated by the consumer's.
+
+The NIXL-compatible top-level keys (do_remote_prefill, remote_host, ...) let existing proxies
+route it unchanged; our own fields sit under "kvc" and are validated with msgspec, so a
+malformed or tampered value fails its request with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import xxhash
+
+from kvconnectors.errors import FailureCause, TransferError
+
+PARAMS_VERSION = 1
+KEY = "kvc"
+_MAX_TOKENS = 1 << 24
+
+
+class PeerAddress(msgspec.Struct, array_like=True):
+    host: str
+    port: int
+
+
+class TransferParams(msgspec.Struct, forbid_unknown_fields=True):
+    """The consumer's ticket to one staged transfer. Version 1."""
+    v: int
+    transfer_id: str
+    addrs: list[PeerAddress]        # producer store server per tensor-parallel rank
+    num_tokens: int                 # prompt tokens staged
+    num_blocks: int
+    block_size: int
+    fingerprint: str                # KV layout fingerprint; must equal the consumer's
+    prompt_hash: str                # xxh3 of the prompt token ids: the consumer must hold the same prompt
+    lease_ttl_s: float              # remaining TTL when issued
+    issued_at: float                # producer wall clock at issue, for diagnostics only
+    transport: str = "tcp"
+    shm_path: str = ""
+
+
+def prompt_hash(token_ids: list[int]) -> str:
+    h = xxhash.xxh3_64()
+    for t in token_ids:
+        h.update(int(t).to_bytes(4, "little", signed=False))
+    return h.hexdigest()
+
+
+def producer_params(p: TransferParams, engine_id: str) -> dict[str, Any]:
+    first = p.addrs[0]
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_host": first.host,
+        "remote_port": first.port,
+        KEY: msgspec.to_builtins(p),
+    }
+
+
+def is_ours(params: dict[str, Any] | None) -> bool:
+    return bool(params) and KEY in params
+
+
+def parse(params: dict[str, Any], prompt_token_ids: list[int] | None, block_size: int) -> TransferParams:
+    """Validate the consumer side's params; every problem becomes a BAD_PARAMS TransferError."""
+    raw = params.get(KEY)
+    try:
+        p = msgspec.convert(raw, TransferParams)
+    except msgspec.ValidationError as exc:
+        raise TransferError(FailureCause.BAD_PARAMS, f"kv_transfer_params.{KEY}: {exc}") from None
+    def bad(field: str, why: str) -> TransferError:
+        return TransferError(FailureCause.BAD_PARAMS,
+                             f"kv_transfer_params.{KEY}.{field}={getattr(p, field)!r}: {why}")
+    if p.v != PARAMS_VERSION:
+        raise bad("v", f"this consumer speaks version {PARAMS_VERSION}")
+    if not p.transfer_id or len(p.transfer_id) > 512:
+        raise bad("transfer_id", "must be 1..512 characters")
+    if not p.addrs or any(not (0 < a.port < 65536) or not a.host for a in p.addrs):
+        raise bad("addrs", "needs host and a port in 1..65535 per rank")
+    if not 0 < p.num_tokens <= _MAX_TOKENS:
+        raise bad("num_tokens", f"must be in 1..{_MAX_TOKENS}")
+    if p.block_size != block_size:
+        raise TransferError(FailureCause.LAYOUT_MISMATCH, (
+            f"producer block_size {p.block_size} differs from this consumer's {block_size}"))
+    if p.num_blocks != -(-p.num_tokens // p.block_size):
+        raise bad("num_blocks", f"does not match num_tokens={p.num_tokens} at block_size={p.block_size}")
+    if not (0 < p.lease_ttl_s < 1e7):
+        raise bad("lease_ttl_s", "must be a positive number of seconds")
+    if prompt_token_ids is not None:
+        if len(prompt_token_ids) != p.num_tokens:
+            raise bad("num_tokens", f"but this request's prompt has {len(prompt_token_ids)} tokens")
+        if prompt_hash(prompt_token_ids) != p.prompt_hash:
+            raise bad("prompt_hash", "differs from this request's prompt: the KV belongs to another prompt")
+    return p

@@ -1,0 +1,197 @@
+"""Scheduler side of TieredConnector (runs in vLLM's engine-core process).
+
+Producer: for requests carrying `do_remote_decode`, tell the worker which blocks to stage each
+step, and on finish hand the client a ticket (`kv_transfer_params`) while freeing the engine's
+blocks at once: the staged copy, not the KV cache, serves the consumer.
+Consumer: for requests carrying our ticket, ask vLLM to allocate blocks and load the prompt
+asynchronously, keep the producer's lease alive while the request waits, and release it
+explicitly if the request is aborted first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.tiered import params as kvparams
+from kvconnectors.tiered.config import TieredConfig
+from kvconnectors.tiered.lease_keeper import LeaseKeeper
+from kvconnectors.tiered.metadata import (RecvSpec, SaveSpec, TieredConnectorMetadata,
+                                          TieredHandshakeMetadata)
+from kvconnectors.transport import wire
+from kvconnectors.transport.auth import load_secret
+from kvconnectors.transport.client import StoreClient
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Producing:
+    transfer_id: str
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    staged_blocks: int = 0       # blocks already handed to the worker in earlier steps
+    sealed: bool = False         # the step that completes the prompt has been scheduled
+    first_scheduled: float = 0.0
+
+
+class TieredConnectorScheduler:
+    def __init__(self, vllm_config: Any, config: TieredConfig, engine_id: str):
+        self.config, self.engine_id = config, engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self._addrs: list[kvparams.PeerAddress] = []
+        self._fingerprint = ""
+        self._shm_path = ""
+        self._producing: dict[str, _Producing] = {}
+        self._recvs: list[RecvSpec] = []
+        self._drops: list[str] = []
+        self._waiting_remote: dict[str, tuple[tuple[str, int], str]] = {}  # consumer req -> (producer, tid)
+        self._secret = load_secret(config.secret_file)
+        self._compat = wire.compat_hash("tiered")
+        self._keeper: LeaseKeeper | None = None
+        if vllm_config.kv_transfer_config.is_kv_consumer:
+            self._keeper = LeaseKeeper(config.heartbeat_interval_s, self._client, config.connect_timeout_s)
+
+    def _client(self, addr: tuple[str, int]) -> StoreClient:
+        return StoreClient(addr[0], addr[1], compat=self._compat, secret=self._secret,
+                           connect_timeout_s=self.config.connect_timeout_s)
+
+    # ------------------------------------------------------------------ start-up
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        ranks = sorted(metadata)
+        metas = [metadata[r] for r in ranks]
+        if not all(isinstance(m, TieredHandshakeMetadata) for m in metas):
+            return
+        self._addrs = [kvparams.PeerAddress(self.config.advertise_host or m.host, m.port) for m in metas]
+        self._fingerprint = metas[0].fingerprint
+        self._shm_path = metas[0].shm_path
+        logger.info("TieredConnector store server(s) at %s (layout %s)",
+                    ", ".join(f"{a.host}:{a.port}" for a in self._addrs), self._fingerprint)
+
+    # ------------------------------------------------------------------ consumer
+    def on_new_request(self, request: "Request") -> None:
+        p = request.kv_transfer_params
+        if self._keeper is None or not (kvparams.is_ours(p) and p.get("do_remote_prefill")):
+            return
+        try:
+            tp = kvparams.parse(p, None, self.block_size)
+        except TransferError:
+            return  # reported when the load is attempted
+        addr = (tp.addrs[0].host, tp.addrs[0].port)
+        self._waiting_remote[request.request_id] = (addr, tp.transfer_id)
+        self._keeper.track(request.request_id, addr, tp.transfer_id)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        p = request.kv_transfer_params
+        if not (p and p.get("do_remote_prefill") and kvparams.KEY in p):
+            return 0, False
+        # The whole prompt comes from the producer (vLLM recomputes the last token itself),
+        # asynchronously: the request waits in WAITING_FOR_REMOTE_KVS while the worker pulls.
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        p = request.kv_transfer_params
+        if not p:
+            return
+        if p.get("do_remote_decode"):
+            self._producing.setdefault(request.request_id, _Producing(
+                transfer_id=f"{self.engine_id}:{request.request_id}",
+                prompt_len=len(request.prompt_token_ids or ()), first_scheduled=time.monotonic()))
+            return
+        if not (p.get("do_remote_prefill") and kvparams.KEY in p) or num_external_tokens <= 0:
+            return
+        p["do_remote_prefill"] = False  # one load per request, also after a preemption
+        if self._keeper is not None:
+            self._keeper.untrack(request.request_id)  # the worker's pull renews from here on
+        self._waiting_remote.pop(request.request_id, None)
+        prompt = list(request.prompt_token_ids or ())
+        local_tokens = len(prompt) - num_external_tokens
+        first_block = local_tokens // self.block_size
+        block_ids = list(blocks.get_block_ids()[0][first_block:])
+        spec = RecvSpec(req_id=request.request_id, params=None, block_ids=block_ids, first_block=first_block)
+        try:
+            spec.params = kvparams.msgspec.to_builtins(kvparams.parse(p, prompt, self.block_size))
+        except TransferError as exc:
+            spec.error_cause, spec.error_message = exc.cause, str(exc)
+        self._recvs.append(spec)
+
+    # ------------------------------------------------------------------ every step
+    def build_connector_meta(self, so: "SchedulerOutput") -> TieredConnectorMetadata:
+        meta = TieredConnectorMetadata(recvs=self._recvs, drops=self._drops)
+        self._recvs, self._drops = [], []
+        if not self._producing:
+            return meta
+        for req in so.scheduled_new_reqs:
+            st = self._producing.get(req.req_id)
+            if st is not None:
+                st.block_ids = list(req.block_ids[0])
+                self._add_save(meta, req.req_id, st, req.num_computed_tokens, so.num_scheduled_tokens[req.req_id])
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._producing.get(req_id)
+            if st is None or st.sealed:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # Preempted and resumed: its blocks were replaced; stage everything again.
+                meta.drops.append(st.transfer_id)
+                st.transfer_id = f"{st.transfer_id}/r"
+                st.block_ids, st.staged_blocks = list(new_ids[0]) if new_ids else [], 0
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._add_save(meta, req_id, st, cached.num_computed_tokens[i], so.num_scheduled_tokens[req_id])
+        return meta
+
+    def _add_save(self, meta: TieredConnectorMetadata, req_id: str, st: _Producing, num_computed: int,
+                  num_scheduled: int) -> None:
+        end_tokens = min(num_computed + num_scheduled, st.prompt_len)
+        end_block = -(-end_tokens // self.block_size)
+        # The last staged block may have been partial: stage it again with its new tokens.
+        first_block = max(0, st.staged_blocks - 1)
+        total = -(-st.prompt_len // self.block_size)
+        meta.saves.append(SaveSpec(req_id=req_id, transfer_id=st.transfer_id,
+                                   block_ids=st.block_ids[first_block:end_block], first_block=first_block,
+                                   total_blocks=total, seal=end_tokens >= st.prompt_len))
+        st.staged_blocks = end_block
+        st.sealed = end_tokens >= st.prompt_len
+
+    # ------------------------------------------------------------------ finish
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+        from vllm.v1.request import RequestStatus
+
+        req_id = request.request_id
+        st = self._producing.pop(req_id, None)
+        if st is not None:
+            ok = st.sealed and request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                                  RequestStatus.FINISHED_STOPPED)
+            if not ok or not self._addrs:
+                self._drops.append(st.transfer_id)  # aborted mid-prefill: give the staging back now
+                return False, None
+            prompt = list(request.prompt_token_ids or ())
+            ticket = kvparams.TransferParams(
+                v=kvparams.PARAMS_VERSION, transfer_id=st.transfer_id, addrs=self._addrs,
+                num_tokens=len(prompt), num_blocks=-(-len(prompt) // self.block_size), block_size=self.block_size,
+                fingerprint=self._fingerprint, prompt_hash=kvparams.prompt_hash(prompt),
+                lease_ttl_s=max(0.001, self.config.lease_ttl_s - (time.monotonic() - st.first_scheduled)),
+                issued_at=time.time(), transport=self.config.transport, shm_path=self._shm_path)
+            # False: the engine's blocks are free now; the staged copy serves the consumer.
+            return False, kvparams.producer_params(ticket, self.engine_id)
+        waiting = self._waiting_remote.pop(req_id, None)
+        if waiting is not None and self._keeper is not None:
+            # Aborted before its KV was pulled: tell the producer now instead of at expiry.
+            self._keeper.release(req_id, *waiting)
+        return False, None
+
+    def shutdown(self) -> None:
+        if self._keeper is not None:
+            self._keeper.close()

@@ -1,0 +1,71 @@
+"""Per-interval transfer statistics, shipped worker -> scheduler -> API server by vLLM.
+
+`data` stays a plain dict of numbers and lists so it crosses processes as-is; vLLM's logger
+prints `reduce()` as the "KV Transfer metrics" line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+_COUNTERS = ("transfers", "bytes_received", "bytes_staged", "blocks_staged", "staging_failures")
+
+
+def _empty() -> dict[str, Any]:
+    return {**{k: 0 for k in _COUNTERS}, "transfer_seconds": [], "failures": {}}
+
+
+@dataclass
+class TieredStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = _empty()
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def record_transfer(self, nbytes: int, seconds: float) -> None:
+        self.data["transfers"] += 1
+        self.data["bytes_received"] += nbytes
+        self.data["transfer_seconds"].append(seconds)
+
+    def record_failure(self, cause: str) -> None:
+        self.data["failures"][cause] = self.data["failures"].get(cause, 0) + 1
+
+    def record_staged(self, nbytes: int, blocks: int) -> None:
+        self.data["bytes_staged"] += nbytes
+        self.data["blocks_staged"] += blocks
+
+    def aggregate(self, other: KVConnectorStats) -> "TieredStats":
+        for k in _COUNTERS:
+            self.data[k] += other.data.get(k, 0)
+        self.data["transfer_seconds"].extend(other.data.get("transfer_seconds", []))
+        for cause, n in other.data.get("failures", {}).items():
+            self.data["failures"][cause] = self.data["failures"].get(cause, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        secs = self.data["transfer_seconds"]
+        total_s = sum(secs)
+        out: dict[str, int | float] = {
+            "Num transfers": self.data["transfers"],
+            "MB received": round(self.data["bytes_received"] / 1e6, 3),
+            "MB staged": round(self.data["bytes_staged"] / 1e6, 3),
+            "Avg transfer (ms)": round(1e3 * total_s / len(secs), 3) if secs else 0.0,
+            "Throughput (GB/s)": round(self.data["bytes_received"] / total_s / 1e9, 3) if total_s else 0.0,
+            "Failed transfers": sum(self.data["failures"].values()),
+        }
+        for cause, n in sorted(self.data["failures"].items()):
+            out[f"Failed: {cause}"] = n
+        return out
+
+    def is_empty(self) -> bool:
+        return not (self.data["transfers"] or self.data["bytes_staged"] or self.data["failures"])
+
+    def clone_and_reset(self) -> "TieredStats":
+        out = TieredStats(data=self.data)
+        self.data = _empty()
+        return out

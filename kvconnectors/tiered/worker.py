@@ -1,0 +1,255 @@
+"""Worker side of TieredConnector (runs in every vLLM worker process).
+
+Producer: after each attention layer, copy the request's newly computed blocks of that layer
+(whole blocks, opaque bytes) into the host store; at the end of the step seal the entries
+whose prompt is complete. The store server in this process serves them to consumers.
+Consumer: pull a ticket's blocks straight into the KV cache blocks vLLM allocated, off the
+forward thread, under a deadline; report every outcome (done or failed with a cause) through
+`get_transfer_results` so vLLM's `kv_load_failure_policy` acts on failures.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import xxhash
+
+from kvconnectors.errors import FailureCause, StoreFullError, TransferError
+from kvconnectors.store import StoreConfig, TieredStore
+from kvconnectors.tiered.config import TieredConfig
+from kvconnectors.tiered.layout import KVLayout, block_arrays, detect_layout
+from kvconnectors.tiered.metadata import RecvSpec, TieredConnectorMetadata, TieredHandshakeMetadata
+from kvconnectors.tiered.params import TransferParams
+from kvconnectors.tiered.stats import TieredStats
+from kvconnectors.transport import wire
+from kvconnectors.transport.auth import load_secret
+from kvconnectors.transport.client import StoreClient
+from kvconnectors.transport.server import StoreServer
+
+logger = logging.getLogger(__name__)
+_MAX_FAILURE_MEMORY = 10_000
+
+
+class TieredConnectorWorker:
+    def __init__(self, vllm_config: Any, config: TieredConfig, engine_id: str):
+        self.config, self.engine_id = config, engine_id
+        ktc = vllm_config.kv_transfer_config
+        self.is_producer, self.is_consumer = ktc.is_kv_producer, ktc.is_kv_consumer
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        resolve = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
+        self._cache_layout = str(resolve()) if resolve else "unknown"
+        self._secret = load_secret(config.secret_file)
+        self._compat = wire.compat_hash("tiered")
+        self.layout: KVLayout | None = None
+        self._blocks: list[np.ndarray] = []
+        self._layer_index: dict[str, int] = {}
+        self.store: TieredStore | None = None
+        self.server: StoreServer | None = None
+        # producer staging state (forward thread only)
+        self._checksums: dict[str, np.ndarray] = {}
+        self._staging_failed: dict[str, TransferError] = {}
+        # consumer results (pull threads -> forward thread)
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._failed: dict[str, TransferError] = {}
+        self.stats = TieredStats()
+        self._pool = ThreadPoolExecutor(max_workers=config.max_concurrent_loads, thread_name_prefix="kvc-pull")
+        self.inflight_loads = 0
+
+    # ------------------------------------------------------------------ start-up
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
+        self.layout = detect_layout(kv_caches, self.block_size, self._cache_layout, self.tp_size, tp_rank)
+        self._blocks = block_arrays(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        if not self.is_producer:
+            return
+        cfg = self.config
+        safe = re.sub(r"[^A-Za-z0-9_.]", "", self.engine_id)[:16] or "engine"
+        self.store = TieredStore(StoreConfig(
+            slot_bytes=self.layout.block_bytes, dram_bytes=cfg.dram_bytes, nvme_dirs=cfg.nvme_dirs,
+            nvme_bytes=cfg.nvme_bytes, lease_ttl_s=cfg.lease_ttl_s, instance_name=f"{cfg.instance_name}{tp_rank}",
+            shm_name=f"kvc_{safe}_{tp_rank}_{os.getpid()}" if cfg.transport == "shm" else None))
+        port = cfg.store_port + tp_rank if cfg.store_port else 0
+        self.server = StoreServer(self.store, cfg.bind_host, port, fingerprint=self.layout.fingerprint,
+                                  num_layers=self.layout.num_layers, compat=self._compat, secret=self._secret,
+                                  staging_failure=self._staging_failed.get)
+        logger.info("TieredConnector store: %s DRAM, serving %s:%d (%s), block %d B x %d layers",
+                    cfg.dram_bytes, cfg.bind_host, self.server.port, cfg.transport, self.layout.block_bytes,
+                    self.layout.num_layers)
+
+    def get_handshake_metadata(self) -> TieredHandshakeMetadata | None:
+        if self.server is None or self.layout is None:
+            return None
+        return TieredHandshakeMetadata(host=self.config.advertise_host or self.server.host, port=self.server.port,
+                                       tp_rank=self.layout.tp_rank, fingerprint=self.layout.fingerprint,
+                                       shm_path=self.store.shm_path or "" if self.store else "")
+
+    # ------------------------------------------------------------------ producer
+    def save_kv_layer(self, meta: TieredConnectorMetadata, layer_name: str) -> None:
+        if not meta.saves or self.store is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        src = self._blocks[layer]
+        for spec in meta.saves:
+            tid = spec.transfer_id
+            if tid in self._staging_failed:
+                continue
+            try:
+                if tid not in self._checksums:
+                    self.store.create(tid, self.layout.num_layers, spec.total_blocks)
+                    self._checksums[tid] = np.zeros((self.layout.num_layers, spec.total_blocks), np.uint64)
+                data = src[spec.block_ids]  # one gather copy of whole blocks
+                self.store.write(tid, layer, spec.first_block, data)
+            except TransferError as exc:
+                self._fail_staging(tid, exc)
+                continue
+            sums = self._checksums[tid][layer]
+            for i, row in enumerate(data):
+                sums[spec.first_block + i] = xxhash.xxh3_64_intdigest(row)
+            self.stats.record_staged(data.nbytes, len(spec.block_ids))
+
+    def wait_for_save(self, meta: TieredConnectorMetadata) -> None:
+        if self.store is None:
+            return
+        sealed = False
+        for spec in meta.saves:
+            if not spec.seal or spec.transfer_id in self._staging_failed:
+                continue
+            sums = self._checksums.pop(spec.transfer_id, None)
+            if sums is None:
+                continue
+            try:
+                self.store.seal(spec.transfer_id, {"xxh3": sums.reshape(-1).tolist()} if self.config.checksum else None)
+                sealed = True
+            except (TransferError, ValueError) as exc:
+                self._fail_staging(spec.transfer_id, TransferError(FailureCause.PROTOCOL, f"seal failed: {exc}"))
+        if sealed and self.server is not None:
+            self.server.notify_sealed()
+
+    def _fail_staging(self, tid: str, exc: TransferError) -> None:
+        logger.error("staging of transfer %s failed: %s", tid, exc)
+        self.stats.data["staging_failures"] += 1
+        self.stats.record_failure(f"staging_{exc.cause.value}")
+        self._checksums.pop(tid, None)
+        if len(self._staging_failed) >= _MAX_FAILURE_MEMORY:
+            self._staging_failed.pop(next(iter(self._staging_failed)))
+        self._staging_failed[tid] = exc
+        if self.store is not None and not isinstance(exc, StoreFullError):
+            try:
+                self.store.release(tid)
+            except TransferError:
+                pass
+        if self.server is not None:
+            self.server.notify_sealed()  # wake readers waiting for this transfer
+
+    def drop(self, transfer_ids: list[str]) -> None:
+        for tid in transfer_ids:
+            self._checksums.pop(tid, None)
+            if self.store is not None:
+                try:
+                    self.store.release(tid)
+                except TransferError:
+                    pass
+
+    # ------------------------------------------------------------------ consumer
+    def start_load_kv(self, meta: TieredConnectorMetadata) -> None:
+        if meta.drops:
+            self.drop(meta.drops)
+        for spec in meta.recvs:
+            with self._lock:
+                self.inflight_loads += 1
+            self._pool.submit(self._pull, spec)
+
+    def _client(self, host: str, port: int) -> StoreClient:
+        return StoreClient(host, port, compat=self._compat, secret=self._secret,
+                           connect_timeout_s=self.config.connect_timeout_s, peer_name=self.engine_id)
+
+    def _pull(self, spec: RecvSpec) -> None:
+        start = time.monotonic()
+        deadline = start + self.config.load_timeout_s
+        try:
+            nbytes = self._pull_into_cache(spec, deadline)
+        except TransferError as exc:
+            self._finish(spec.req_id, exc)
+        except Exception as exc:  # a bug must fail the request, not strand it
+            logger.exception("unexpected error pulling KV for %s", spec.req_id)
+            self._finish(spec.req_id, TransferError(FailureCause.PROTOCOL, f"internal error: {exc!r}"))
+        else:
+            self._finish(spec.req_id, None, nbytes, time.monotonic() - start)
+
+    def _pull_into_cache(self, spec: RecvSpec, deadline: float) -> int:
+        if spec.error_cause is not None:
+            raise TransferError(spec.error_cause, spec.error_message.split("] ", 1)[-1])
+        p = msgspec.convert(spec.params, TransferParams)
+        layout = self.layout
+        if p.fingerprint != layout.fingerprint:  # checked before any byte lands in the KV cache
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, (
+                f"producer KV layout {p.fingerprint} differs from this consumer's {layout.fingerprint} "
+                f"({layout.describe()})"))
+        if layout.tp_rank >= len(p.addrs):
+            raise TransferError(FailureCause.LAYOUT_MISMATCH,
+                                f"producer has {len(p.addrs)} ranks, this consumer is rank {layout.tp_rank}")
+        num_blocks = p.num_blocks - spec.first_block
+        if num_blocks <= 0:
+            return 0
+        if len(spec.block_ids) < num_blocks:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH,
+                                f"{len(spec.block_ids)} local blocks allocated for {num_blocks} remote blocks")
+        targets = spec.block_ids[:num_blocks]
+        dest = [memoryview(self._blocks[layer][b]) for layer in range(layout.num_layers) for b in targets]
+        addr = p.addrs[layout.tp_rank]
+        data_path = "shm" if self.config.transport == "shm" and p.shm_path else "inline"
+        with self._client(addr.host, addr.port) as client:
+            nbytes = client.read(p.transfer_id, range(layout.num_layers), spec.first_block, dest,
+                                 fingerprint=layout.fingerprint, deadline=deadline, verify=self.config.checksum,
+                                 data_path=data_path)
+            if data_path == "inline":
+                client.release(p.transfer_id, deadline)  # the shm path released inside read()
+        return nbytes
+
+    def _finish(self, req_id: str, error: TransferError | None, nbytes: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            self.inflight_loads -= 1
+            if error is None:
+                self._done.add(req_id)
+                self.stats.record_transfer(nbytes, seconds)
+            else:
+                self._failed[req_id] = error
+                self.stats.record_failure(error.cause.value)
+        if error is not None:
+            logger.error("KV load for request %s failed: %s", req_id, error)
+
+    def take_results(self) -> tuple[set[str], dict[str, TransferError]]:
+        with self._lock:
+            done, failed = self._done, self._failed
+            self._done, self._failed = set(), {}
+        return done, failed
+
+    def get_stats(self) -> TieredStats | None:
+        with self._lock:
+            return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=False)
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None

@@ -1,0 +1,271 @@
+"""The store server: serves staged KV to consumers over the control protocol.
+
+One thread per connection, blocking sockets: an idle server costs no CPU. Every request is
+validated before it touches the store; a bad request gets a typed error reply and the
+connection (and the server) keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.store import TieredStore
+from kvconnectors.transport import auth, wire
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerCounters:
+    connections: int = 0
+    active_connections: int = 0
+    auth_failures: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # cause -> count
+    bytes_sent: int = 0
+    reads: int = 0
+
+    def reject(self, cause: str) -> None:
+        self.rejected[cause] = self.rejected.get(cause, 0) + 1
+
+
+class StoreServer:
+    """Serves `store` on (host, port); port 0 picks a free one (see `.port`)."""
+
+    def __init__(self, store: TieredStore, host: str, port: int, *, fingerprint: str,
+                 num_layers: int, compat: str, secret: bytes | None = None,
+                 idle_timeout_s: float = 300.0, seal_wait_s: float = 10.0,
+                 staging_failure: Callable[[str], TransferError | None] | None = None):
+        self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
+        self.compat, self.secret = compat, secret
+        self.idle_timeout_s, self.seal_wait_s = idle_timeout_s, seal_wait_s
+        self.staging_failure = staging_failure or (lambda tid: None)
+        self.counters = ServerCounters()
+        self._lock = threading.Lock()
+        self._sealed = threading.Condition()
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, port))
+        except OSError as exc:
+            self._listener.close()
+            raise OSError(exc.errno, f"kvconnectors store server cannot bind {host}:{port}: {exc.strerror}") from None
+        self._listener.listen(128)
+        self.host, self.port = self._listener.getsockname()[:2]
+        # A blocking accept() in its own thread: no polling while idle; close() wakes it.
+        self._thread = threading.Thread(target=self._accept_loop, name="kvc-store-server", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # listener shut down
+            threading.Thread(target=self._serve_connection, args=(sock,), name="kvc-store-conn",
+                             daemon=True).start()
+
+    # ------------------------------------------------------------------ lifecycle
+    def notify_sealed(self) -> None:
+        with self._sealed:
+            self._sealed.notify_all()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:  # unblock handler threads stuck in recv
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+
+    @property
+    def active_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    # ------------------------------------------------------------------ per connection
+    def _serve_connection(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._conns.add(sock)
+            self.counters.connections += 1
+        try:
+            if not self._handshake(sock):
+                return
+            while True:
+                try:
+                    msg = wire.recv_msg(sock, deadline=time.monotonic() + self.idle_timeout_s)
+                except TransferError as exc:
+                    if exc.cause is FailureCause.PROTOCOL:
+                        self.counters.reject("protocol")
+                        self._reply_error(sock, exc)
+                    return  # peer closed, idle or sent garbage: drop the connection only
+                self._dispatch(sock, msg)
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
+
+    def _handshake(self, sock: socket.socket) -> bool:
+        try:
+            hello = wire.recv_msg(sock, deadline=time.monotonic() + 10)
+        except TransferError:
+            self.counters.reject("protocol")
+            return False
+        if not isinstance(hello, wire.Hello):
+            self.counters.reject("protocol")
+            wire.send_msg(sock, wire.Welcome(ok=False, error=f"expected Hello, got {type(hello).__name__}"))
+            return False
+        if hello.version != wire.PROTOCOL_VERSION or hello.compat_hash != self.compat:
+            self.counters.reject("protocol")
+            wire.send_msg(sock, wire.Welcome(ok=False, error=(
+                f"incompatible peer: its protocol v{hello.version} compat {hello.compat_hash}, "
+                f"this server v{wire.PROTOCOL_VERSION} compat {self.compat}")))
+            return False
+        if self.secret is None:
+            wire.send_msg(sock, wire.Welcome(ok=True))
+            return True
+        nonce = auth.new_nonce()
+        wire.send_msg(sock, wire.Welcome(ok=True, nonce=nonce))
+        try:
+            proof = wire.recv_msg(sock, deadline=time.monotonic() + 10)
+        except TransferError:
+            proof = None
+        if not isinstance(proof, wire.Proof) or not auth.verify(self.secret, nonce, proof.mac):
+            self.counters.auth_failures += 1
+            self.counters.reject("auth")
+            logger.warning("refused an unauthenticated peer %s", _peer(sock))
+            wire.send_msg(sock, wire.Ack(ok=False, cause=FailureCause.AUTH.value,
+                                         message="shared-secret authentication failed"))
+            return False
+        wire.send_msg(sock, wire.Ack(ok=True))
+        return True
+
+    def _dispatch(self, sock: socket.socket, msg: wire.Message) -> None:
+        try:
+            if isinstance(msg, wire.Read):
+                self._read(sock, msg)
+            elif isinstance(msg, wire.Renew):
+                self._renew(sock, msg)
+            elif isinstance(msg, wire.Release):
+                self._release(sock, msg)
+            else:
+                raise TransferError(FailureCause.PROTOCOL, f"unexpected message {type(msg).__name__}")
+        except TransferError as exc:
+            self.counters.reject(exc.cause.value)
+            self._reply_error(sock, exc, read=isinstance(msg, wire.Read))
+
+    @staticmethod
+    def _reply_error(sock: socket.socket, exc: TransferError, read: bool = False) -> None:
+        text = str(exc).split("] ", 1)[-1]
+        reply = (wire.ReadReply(ok=False, cause=exc.cause.value, message=text) if read
+                 else wire.Ack(ok=False, cause=exc.cause.value, message=text))
+        try:
+            wire.send_msg(sock, reply)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ requests
+    def _validate_read(self, msg: wire.Read) -> None:
+        if not msg.transfer_id or len(msg.transfer_id) > 512:
+            raise TransferError(FailureCause.PROTOCOL, f"bad transfer_id {msg.transfer_id[:64]!r}")
+        if msg.fingerprint != self.fingerprint:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, (
+                f"consumer KV layout {msg.fingerprint} differs from this producer's {self.fingerprint}"))
+        if not msg.layers or any(not 0 <= layer < self.num_layers for layer in msg.layers):
+            raise TransferError(FailureCause.PROTOCOL, f"layers {msg.layers[:8]} outside [0, {self.num_layers})")
+        if msg.first_block < 0 or msg.num_blocks < 1:
+            raise TransferError(FailureCause.PROTOCOL,
+                                f"bad block range first_block={msg.first_block} num_blocks={msg.num_blocks}")
+        if msg.data_path not in ("inline", "shm"):
+            raise TransferError(FailureCause.PROTOCOL, f"unknown data_path {msg.data_path!r}")
+        if msg.data_path == "shm" and self.store.shm_path is None:
+            raise TransferError(FailureCause.PROTOCOL, "data_path 'shm' asked, but this store has no shm arena")
+
+    def _wait_sealed(self, tid: str) -> None:
+        deadline = time.monotonic() + self.seal_wait_s
+        with self._sealed:
+            while True:
+                failure = self.staging_failure(tid)
+                if failure is not None:
+                    raise failure
+                if self.store.is_sealed(tid):  # typed LeaseExpired / UnknownTransfer if gone
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferError(FailureCause.TIMEOUT, f"transfer {tid!r} was not fully staged in time")
+                self._sealed.wait(left)
+
+    def _read(self, sock: socket.socket, msg: wire.Read) -> None:
+        self._validate_read(msg)
+        self._wait_sealed(msg.transfer_id)
+        ttl = self.store.renew(msg.transfer_id)  # a consumer pulling keeps the lease alive
+        with self.store.pinned_views(msg.transfer_id, msg.layers) as pv:
+            last = msg.first_block + msg.num_blocks
+            if last > pv.num_blocks:
+                raise TransferError(FailureCause.LAYOUT_MISMATCH, (
+                    f"asked for blocks [{msg.first_block}, {last}) of a {pv.num_blocks}-block transfer"))
+            sums = self.store.checksums(msg.transfer_id) or {}
+            per_block = sums.get("xxh3")
+            checksums = None
+            if per_block is not None:
+                checksums = [per_block[layer * pv.num_blocks + b] for layer in msg.layers
+                             for b in range(msg.first_block, last)]
+            if msg.data_path == "shm":
+                offsets = [int(pv.offset(layer, b)) for layer in msg.layers for b in range(msg.first_block, last)]
+                wire.send_msg(sock, wire.ReadReply(ok=True, checksums=checksums, shm_path=pv.shm_path or "",
+                                                   offsets=offsets, lease_ttl_s=ttl))
+                # Stay pinned until the consumer has copied: it answers with Release or Ack.
+                done = wire.recv_msg(sock, deadline=time.monotonic() + self.idle_timeout_s)
+                self.counters.reads += 1
+                if isinstance(done, wire.Release):
+                    self._release(sock, done)
+                return
+            nbytes = len(msg.layers) * msg.num_blocks * pv.slot_bytes
+            wire.send_msg(sock, wire.ReadReply(ok=True, nbytes=nbytes, checksums=checksums, lease_ttl_s=ttl))
+            for layer in msg.layers:
+                for b in range(msg.first_block, last):
+                    sock.sendall(pv.memoryview(layer, b))
+        with self._lock:
+            self.counters.bytes_sent += nbytes
+            self.counters.reads += 1
+
+    def _renew(self, sock: socket.socket, msg: wire.Renew) -> None:
+        remaining: dict[str, float] = {}
+        missing: dict[str, str] = {}
+        for tid in msg.transfer_ids[:4096]:
+            try:
+                remaining[tid] = self.store.renew(tid)
+            except TransferError as exc:
+                missing[tid] = exc.cause.value
+        wire.send_msg(sock, wire.RenewReply(remaining=remaining, missing=missing))
+
+    def _release(self, sock: socket.socket, msg: wire.Release) -> None:
+        self.store.release(msg.transfer_id)  # no-op for an entry that already ended
+        wire.send_msg(sock, wire.Ack(ok=True))
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        return "%s:%s" % sock.getpeername()[:2]
+    except OSError:
+        return "?"

@@ -1,0 +1,132 @@
+"""Wire messages of the transfer plane: versioned msgspec structs, length-prefixed msgpack.
+
+Nothing is ever unpickled. Every frame has a size limit, and a peer whose protocol version or
+compatibility hash differs is refused at the handshake with a message naming both sides.
+
+Version history:
+  1 - pull: Hello/Welcome/Proof, Read (inline|shm), Renew, Release.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import struct
+import time
+from typing import Union
+
+import msgspec
+
+from kvconnectors.errors import FailureCause, TransferError
+
+PROTOCOL_VERSION = 1
+MAX_CONTROL_BYTES = 1 << 20  # a control frame is metadata only; data never travels in frames
+_LEN = struct.Struct("!I")
+
+
+class Hello(msgspec.Struct, tag=True):
+    version: int
+    compat_hash: str
+    peer: str = ""
+
+
+class Welcome(msgspec.Struct, tag=True):
+    ok: bool
+    nonce: bytes | None = None  # present when the server requires the shared secret
+    error: str = ""
+
+
+class Proof(msgspec.Struct, tag=True):
+    mac: bytes
+
+
+class Read(msgspec.Struct, tag=True):
+    """Ask for `num_blocks` blocks from `first_block` of each listed layer of a transfer."""
+    transfer_id: str
+    layers: list[int]
+    first_block: int
+    num_blocks: int
+    fingerprint: str
+    data_path: str = "inline"  # inline: bytes follow the reply on this socket; shm: offsets only
+
+
+class ReadReply(msgspec.Struct, tag=True):
+    ok: bool
+    cause: str = ""
+    message: str = ""
+    nbytes: int = 0                       # inline: raw bytes that follow, layer-major, block order
+    checksums: list[int] | None = None    # xxh3_64 per (layer, block) in the same order
+    shm_path: str = ""
+    offsets: list[int] | None = None      # shm: arena offset per (layer, block)
+    lease_ttl_s: float = 0.0
+
+
+class Renew(msgspec.Struct, tag=True):
+    transfer_ids: list[str]
+
+
+class RenewReply(msgspec.Struct, tag=True):
+    remaining: dict[str, float]
+    missing: dict[str, str]  # transfer id -> cause (lease_expired / unknown_transfer)
+
+
+class Release(msgspec.Struct, tag=True):
+    transfer_id: str
+
+
+class Ack(msgspec.Struct, tag=True):
+    ok: bool
+    cause: str = ""
+    message: str = ""
+
+
+Message = Union[Hello, Welcome, Proof, Read, ReadReply, Renew, RenewReply, Release, Ack]
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def compat_hash(*parts: str) -> str:
+    """Hash of what both sides must agree on (protocol version plus caller-given parts)."""
+    h = hashlib.sha256(f"kvconnectors-wire-v{PROTOCOL_VERSION}".encode())
+    for p in parts:
+        h.update(b"\0" + p.encode())
+    return h.hexdigest()[:16]
+
+
+def send_msg(sock: socket.socket, msg: Message) -> None:
+    payload = _encoder.encode(msg)
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+
+
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from the socket; the deadline bounds the whole read, not each recv."""
+    got, n = 0, len(view)
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError(FailureCause.TIMEOUT, f"peer sent {got} of {n} bytes before the deadline")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except socket.timeout:
+            raise TransferError(FailureCause.TIMEOUT, f"peer sent {got} of {n} bytes before the deadline") from None
+        except OSError as exc:
+            raise TransferError(FailureCause.PEER_UNREACHABLE, f"connection lost after {got} of {n} bytes: {exc}") from None
+        if k == 0:
+            raise TransferError(FailureCause.PEER_UNREACHABLE, f"peer closed the connection after {got} of {n} bytes")
+        got += k
+
+
+def recv_msg(sock: socket.socket, deadline: float | None = None, max_bytes: int = MAX_CONTROL_BYTES) -> Message:
+    head = bytearray(_LEN.size)
+    recv_exact(sock, memoryview(head), deadline)
+    (length,) = _LEN.unpack(head)
+    if length > max_bytes:
+        raise TransferError(FailureCause.PROTOCOL, f"control frame of {length} bytes exceeds the limit of {max_bytes}")
+    body = bytearray(length)
+    recv_exact(sock, memoryview(body), deadline)
+    try:
+        return _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise TransferError(FailureCause.PROTOCOL, f"malformed control frame: {exc}") from None
