@@ -1,0 +1,87 @@
+"""Turning caller buffers into (n, slot_bytes) uint8 views, page-aligned scratch memory, and
+finding runs of consecutive slot numbers (one memcpy / one I/O per run instead of per slot)."""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any, Iterator
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+
+
+def as_slots(obj: Any, slot_bytes: int, *, writable: bool, what: str) -> np.ndarray:
+    """View `obj` (ndarray, bytes-like, or anything np.asarray takes, e.g. a CPU torch tensor) as
+    uint8 of shape (n, slot_bytes) without copying. Raises TypeError/ValueError on a bad buffer."""
+    if isinstance(obj, np.ndarray):
+        arr = obj
+    elif isinstance(obj, (list, tuple, str)):  # np.asarray would copy: writes would vanish
+        raise TypeError(f"{what}: need a buffer, not a {type(obj).__name__}")
+    else:
+        try:
+            arr = np.frombuffer(obj, dtype=np.uint8)
+        except (TypeError, ValueError, BufferError):
+            arr = _from_array_like(obj, what)
+    if arr.dtype == object:
+        raise TypeError(f"{what}: not a byte buffer ({type(obj).__name__})")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what}: buffer must be C-contiguous")
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{what}: buffer is read-only")
+    flat = arr.reshape(-1).view(np.uint8)
+    if flat.size == 0 or flat.size % slot_bytes:
+        raise ValueError(f"{what}: {flat.size} bytes is not a positive multiple of slot_bytes={slot_bytes}")
+    return flat.reshape(-1, slot_bytes)
+
+
+def _from_array_like(obj: Any, what: str) -> np.ndarray:
+    """CPU torch tensors (and other __array__ providers) without copying. bf16 and other dtypes numpy
+    lacks are reinterpreted as bytes first; torch is only touched when the caller passed a tensor."""
+    if type(obj).__module__.partition(".")[0] == "torch":
+        import torch  # noqa: PLC0415 - the store itself never needs torch
+
+        if obj.device.type != "cpu":
+            raise ValueError(f"{what}: tensor is on {obj.device}; the store takes host memory")
+        if not obj.is_contiguous():
+            raise ValueError(f"{what}: buffer must be C-contiguous")
+        return obj.view(torch.uint8).numpy()
+    return np.asarray(obj)
+
+
+def address(arr: np.ndarray) -> int:
+    return int(arr.__array_interface__["data"][0])
+
+
+def is_aligned(arr: np.ndarray, align: int = PAGE) -> bool:
+    return address(arr) % align == 0 and arr.nbytes % align == 0
+
+
+def aligned_empty(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Page-aligned scratch (O_DIRECT rejects malloc'ed numpy buffers, which sit 16 B past a page)."""
+    m = mmap.mmap(-1, max(nbytes, PAGE))
+    return m, np.frombuffer(m, dtype=np.uint8, count=nbytes)
+
+
+def runs(idx: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """Yield (position, first_value, length) for each run of consecutive values in `idx`."""
+    n = idx.size
+    if n == 0:
+        return
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [n]))
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        yield s, int(idx[s]), e - s
+
+
+def paired_runs(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """Yield (a0, b0, length) for each stretch where `a` and `b` both step by one."""
+    n = a.size
+    if n == 0:
+        return
+    breaks = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [n]))
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        yield int(a[s]), int(b[s]), e - s

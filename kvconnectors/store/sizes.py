@@ -1,0 +1,57 @@
+"""Human-readable byte sizes: "8g", "512MiB", "1.5GB", 4096.
+
+Rule (documented because operators mix them up): binary units are powers of 1024 — the IEC
+suffixes (KiB, MiB, GiB, TiB) *and* the bare single letters (k, m, g, t), as in docker/JVM flags;
+the two-letter SI suffixes (KB, MB, GB, TB) are powers of 1000. Case is ignored; a trailing "b"/"B"
+alone means bytes. Fractions are allowed ("1.5GiB") and rounded down to a whole byte.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgtp", start=1):
+    _UNITS[_p] = 1024 ** _i
+    _UNITS[_p + "ib"] = 1024 ** _i
+    _UNITS[_p + "b"] = 1000 ** _i
+
+_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: int | float | str) -> int:
+    """Return `value` as a non-negative whole number of bytes; raise ValueError if it is not one."""
+    if isinstance(value, bool):  # bool is an int subclass; True bytes is always a mistake
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"size must be a finite number >= 0, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"not a size: {value!r}")
+    m = _SIZE_RE.match(value)
+    if m is None:
+        raise ValueError(f"not a size: {value!r} (examples: 4096, '64KiB', '8g', '1.5GB')")
+    number, exponent, unit = m.groups()
+    mult = _UNITS.get(unit.lower())
+    if mult is None:
+        raise ValueError(f"unknown size unit {unit!r} in {value!r} (use B, KiB/MiB/GiB/TiB, k/m/g/t or KB/MB/GB/TB)")
+    number = number.replace("_", "")
+    if "." in number or exponent:  # exact for ints, float only where a fraction was written
+        return int(float(number + (f"e{exponent}" if exponent else "")) * mult)
+    return int(number) * mult
+
+
+def format_size(n: int) -> str:
+    """Short binary rendering for messages: 16384 -> '16.0KiB'."""
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024 or unit == "TiB":
+            return f"{int(x)}B" if unit == "B" else f"{x:.1f}{unit}"
+        x /= 1024
+    raise AssertionError("unreachable")
