@@ -1,6 +1,6 @@
 """TieredConnector settings, read from `kv_connector_extra_config` and validated at start-up.
 
-Every key, its default and what it does is listed in `FIELDS` (and in tiered/README.md). A
+Every key, its default and what it does is listed in tiered/README.md. A
 bad value fails engine start-up with an error naming the key and the value; unknown keys are
 rejected too, because a typo silently ignored is a setting silently lost.
 """
@@ -37,6 +37,7 @@ class TieredConfig:
     secret_file: str | None = None
     max_concurrent_loads: int = 4
     instance_name: str = "kvc"
+    fault_injection: list[dict] | None = None  # tests and chaos runs only; see transport/faults.py
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -72,6 +73,10 @@ class TieredConfig:
         if isinstance(self.max_concurrent_loads, bool) or not isinstance(self.max_concurrent_loads, int) \
                 or self.max_concurrent_loads < 1:
             raise ConfigError("max_concurrent_loads", self.max_concurrent_loads, "must be an integer >= 1")
+
+        from kvconnectors.transport.faults import FaultPlan
+
+        self.fault_plan = FaultPlan.from_config(self.fault_injection)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "TieredConfig":

@@ -39,6 +39,10 @@ class TieredStats(KVConnectorStats):
         self.data["bytes_staged"] += nbytes
         self.data["blocks_staged"] += blocks
 
+    def record_staging_failure(self, cause: str) -> None:
+        self.data["staging_failures"] += 1
+        self.record_failure(f"staging_{cause}")
+
     def aggregate(self, other: KVConnectorStats) -> "TieredStats":
         for k in _COUNTERS:
             self.data[k] += other.data.get(k, 0)

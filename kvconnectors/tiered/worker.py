@@ -25,11 +25,13 @@ import xxhash
 
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.store import StoreConfig, TieredStore
+from kvconnectors.store.reaper import Reaper
 from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.layout import KVLayout, block_arrays, detect_layout
 from kvconnectors.tiered.metadata import RecvSpec, TieredConnectorMetadata, TieredHandshakeMetadata
 from kvconnectors.tiered.params import TransferParams
 from kvconnectors.tiered.stats import TieredStats
+from kvconnectors.transport import nixl as nixl_transport
 from kvconnectors.transport import wire
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
@@ -55,6 +57,7 @@ class TieredConnectorWorker:
         self._layer_index: dict[str, int] = {}
         self.store: TieredStore | None = None
         self.server: StoreServer | None = None
+        self._reaper: Reaper | None = None
         # producer staging state (forward thread only)
         self._checksums: dict[str, np.ndarray] = {}
         self._staging_failed: dict[str, TransferError] = {}
@@ -62,8 +65,14 @@ class TieredConnectorWorker:
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._failed: dict[str, TransferError] = {}
-        self.stats = TieredStats()
+        self.stats = TieredStats()    # this interval's, handed to vLLM and reset
+        self.totals = TieredStats()   # since start-up: what tests and diagnostics read
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrent_loads, thread_name_prefix="kvc-pull")
+        # transport nixl: fail start-up now if NIXL is missing; the consumer agent comes at first pull
+        if config.transport == "nixl":
+            nixl_transport.require_nixl()
+        self._nixl_sink: nixl_transport.NixlSink | None = None
+        self._nixl_lock = threading.Lock()
         self.inflight_loads = 0
 
     # ------------------------------------------------------------------ start-up
@@ -82,10 +91,13 @@ class TieredConnectorWorker:
             slot_bytes=self.layout.block_bytes, dram_bytes=cfg.dram_bytes, nvme_dirs=cfg.nvme_dirs,
             nvme_bytes=cfg.nvme_bytes, lease_ttl_s=cfg.lease_ttl_s, instance_name=f"{cfg.instance_name}{tp_rank}",
             shm_name=f"kvc_{safe}_{tp_rank}_{os.getpid()}" if cfg.transport == "shm" else None))
+        # Expiry is the backstop for consumers that never come: check a few times per TTL.
+        self._reaper = Reaper(self.store, interval_s=min(1.0, cfg.lease_ttl_s / 4)).start()
         port = cfg.store_port + tp_rank if cfg.store_port else 0
         self.server = StoreServer(self.store, cfg.bind_host, port, fingerprint=self.layout.fingerprint,
                                   num_layers=self.layout.num_layers, compat=self._compat, secret=self._secret,
-                                  staging_failure=self._staging_failed.get)
+                                  staging_failure=self._staging_failed.get, faults=cfg.fault_plan,
+                                  nixl=cfg.transport == "nixl")
         logger.info("TieredConnector store: %s DRAM, serving %s:%d (%s), block %d B x %d layers",
                     cfg.dram_bytes, cfg.bind_host, self.server.port, cfg.transport, self.layout.block_bytes,
                     self.layout.num_layers)
@@ -121,7 +133,7 @@ class TieredConnectorWorker:
             sums = self._checksums[tid][layer]
             for i, row in enumerate(data):
                 sums[spec.first_block + i] = xxhash.xxh3_64_intdigest(row)
-            self.stats.record_staged(data.nbytes, len(spec.block_ids))
+            self._record("record_staged", data.nbytes, len(spec.block_ids))
 
     def wait_for_save(self, meta: TieredConnectorMetadata) -> None:
         if self.store is None:
@@ -143,8 +155,7 @@ class TieredConnectorWorker:
 
     def _fail_staging(self, tid: str, exc: TransferError) -> None:
         logger.error("staging of transfer %s failed: %s", tid, exc)
-        self.stats.data["staging_failures"] += 1
-        self.stats.record_failure(f"staging_{exc.cause.value}")
+        self._record("record_staging_failure", exc.cause.value)
         self._checksums.pop(tid, None)
         if len(self._staging_failed) >= _MAX_FAILURE_MEMORY:
             self._staging_failed.pop(next(iter(self._staging_failed)))
@@ -213,26 +224,46 @@ class TieredConnectorWorker:
         targets = spec.block_ids[:num_blocks]
         dest = [memoryview(self._blocks[layer][b]) for layer in range(layout.num_layers) for b in targets]
         addr = p.addrs[layout.tp_rank]
-        data_path = "shm" if self.config.transport == "shm" and p.shm_path else "inline"
+        transport = self.config.transport
+        data_path = "shm" if transport == "shm" and p.shm_path else "nixl" if transport == "nixl" else "inline"
+        sink = self._nixl() if data_path == "nixl" else None
         with self._client(addr.host, addr.port) as client:
             nbytes = client.read(p.transfer_id, range(layout.num_layers), spec.first_block, dest,
                                  fingerprint=layout.fingerprint, deadline=deadline, verify=self.config.checksum,
-                                 data_path=data_path)
+                                 data_path=data_path, nixl=sink)
             if data_path == "inline":
                 client.release(p.transfer_id, deadline)  # the shm path released inside read()
         return nbytes
+
+    def _nixl(self) -> nixl_transport.NixlSink:
+        """This process's NIXL agent, created at the first nixl pull with every KV cache layer
+        registered once (pull threads share it)."""
+        with self._nixl_lock:
+            if self._nixl_sink is None:
+                sink = nixl_transport.NixlSink(tag=self.engine_id)
+                try:
+                    sink.register(self._blocks)
+                except BaseException:
+                    sink.close()
+                    raise
+                self._nixl_sink = sink
+            return self._nixl_sink
 
     def _finish(self, req_id: str, error: TransferError | None, nbytes: int = 0, seconds: float = 0.0) -> None:
         with self._lock:
             self.inflight_loads -= 1
             if error is None:
                 self._done.add(req_id)
-                self.stats.record_transfer(nbytes, seconds)
+                self._record("record_transfer", nbytes, seconds)
             else:
                 self._failed[req_id] = error
-                self.stats.record_failure(error.cause.value)
+                self._record("record_failure", error.cause.value)
         if error is not None:
             logger.error("KV load for request %s failed: %s", req_id, error)
+
+    def _record(self, what: str, *args: object) -> None:
+        for stats in (self.stats, self.totals):
+            getattr(stats, what)(*args)
 
     def take_results(self) -> tuple[set[str], dict[str, TransferError]]:
         with self._lock:
@@ -247,6 +278,11 @@ class TieredConnectorWorker:
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
+        if self._nixl_sink is not None:
+            self._nixl_sink.close()
+            self._nixl_sink = None
+        if self._reaper is not None:
+            self._reaper.stop()
         if self.server is not None:
             self.server.close()
             self.server = None

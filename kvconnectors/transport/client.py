@@ -11,12 +11,16 @@ import os
 import socket
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
 from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.transport import auth, wire
+
+if TYPE_CHECKING:
+    from kvconnectors.transport.nixl import NixlSink
 
 
 class StoreClient:
@@ -52,7 +56,7 @@ class StoreClient:
 
     def _expect(self, kind: type, deadline: float):
         msg = wire.recv_msg(self.sock, deadline)
-        if isinstance(msg, kind):
+        if isinstance(msg, kind) and getattr(msg, "ok", True):
             return msg
         if isinstance(msg, (wire.Ack, wire.ReadReply)) and not msg.ok:
             raise TransferError(FailureCause(msg.cause or "protocol"), f"producer {self.address}: {msg.message}")
@@ -73,13 +77,19 @@ class StoreClient:
 
     # ------------------------------------------------------------------ requests
     def read(self, transfer_id: str, layers: Sequence[int], first_block: int, dest: Sequence[memoryview],
-             *, fingerprint: str, deadline: float, verify: bool = True, data_path: str = "inline") -> int:
+             *, fingerprint: str, deadline: float, verify: bool = True, data_path: str = "inline",
+             nixl: "NixlSink | None" = None) -> int:
         """Pull blocks [first_block, first_block + len(dest) / len(layers)) of `layers` into
-        `dest` (one writable view per (layer, block), layer-major). Returns bytes received."""
+        `dest` (one writable view per (layer, block), layer-major). Returns bytes received.
+        data_path "nixl" READs through `nixl`, whose registered memory must hold every view."""
         num_blocks = len(dest) // len(layers)
-        wire.send_msg(self.sock, wire.Read(transfer_id=transfer_id, layers=list(layers), first_block=first_block,
-                                           num_blocks=num_blocks, fingerprint=fingerprint, data_path=data_path))
+        if data_path == "nixl" and nixl is None:
+            raise TransferError(FailureCause.PROTOCOL, "data_path 'nixl' needs the consumer's NIXL agent (nixl=)")
+        self._send(wire.Read(transfer_id=transfer_id, layers=list(layers), first_block=first_block,
+                             num_blocks=num_blocks, fingerprint=fingerprint, data_path=data_path))
         reply = self._expect(wire.ReadReply, deadline)
+        if data_path == "nixl":
+            return self._read_nixl(nixl, transfer_id, reply, dest, deadline, verify)
         if data_path == "shm":
             nbytes = self._copy_from_shm(reply, dest)
             wire.send_msg(self.sock, wire.Release(transfer_id=transfer_id))
@@ -89,12 +99,55 @@ class StoreClient:
             if reply.nbytes != slot * len(dest):
                 raise TransferError(FailureCause.LAYOUT_MISMATCH, (
                     f"producer {self.address} offers {reply.nbytes} bytes, expected {slot * len(dest)}"))
-            for view in dest:
-                wire.recv_exact(self.sock, view, deadline)
+            self._recv_scattered(dest, num_blocks, deadline)
             nbytes = reply.nbytes
         if verify and reply.checksums is not None:
             verify_checksums(reply.checksums, dest, transfer_id)
         return nbytes
+
+    def _read_nixl(self, nixl: "NixlSink", transfer_id: str, reply: wire.ReadReply, dest: Sequence[memoryview],
+                   deadline: float, verify: bool) -> int:
+        """READ the blocks, verify, then Release; on failure answer Ack(ok=False) instead, so the
+        producer stops serving this read and keeps the entry (a retry can still have it)."""
+        try:
+            if not reply.offsets or len(reply.offsets) != len(dest):
+                raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {self.address} without one offset per block")
+            if not reply.nixl_agent_meta or reply.nixl_base_address <= 0:
+                raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {self.address} without agent metadata")
+            nbytes = nixl.read_blocks(self.address, reply.nixl_agent_meta, reply.nixl_base_address, reply.offsets,
+                                      dest, deadline)
+            if verify and reply.checksums is not None:
+                verify_checksums(reply.checksums, dest, transfer_id)
+        except TransferError as exc:
+            try:
+                wire.send_msg(self.sock, wire.Ack(ok=False, cause=exc.cause.value, message=str(exc).split("] ", 1)[-1]))
+            except OSError:
+                pass
+            raise
+        self._send(wire.Release(transfer_id=transfer_id))
+        self._expect(wire.Ack, deadline)
+        return nbytes
+
+    def _send(self, msg: wire.Message) -> None:
+        try:
+            wire.send_msg(self.sock, msg)
+        except OSError as exc:  # EPIPE / ECONNRESET: the producer went away
+            raise TransferError(FailureCause.PEER_UNREACHABLE,
+                                f"connection to producer {self.address} lost: {exc.strerror or exc}") from None
+
+    def _recv_scattered(self, dest: Sequence[memoryview], per_chunk: int, deadline: float) -> None:
+        """Receive a chunk (one layer's blocks) per large recv, then scatter it into the blocks.
+
+        One big read instead of one per block: every socket call gives up the GIL, and taking it
+        back behind a busy engine thread costs up to a switch interval (5 ms) each time.
+        """
+        slot = len(dest[0])
+        staging = np.empty(per_chunk * slot, dtype=np.uint8)
+        for start in range(0, len(dest), per_chunk):
+            wire.recv_exact(self.sock, memoryview(staging), deadline)
+            rows = staging.reshape(per_chunk, slot)
+            for i, view in enumerate(dest[start:start + per_chunk]):
+                np.copyto(np.frombuffer(view, dtype=np.uint8), rows[i])
 
     def _copy_from_shm(self, reply: wire.ReadReply, dest: Sequence[memoryview]) -> int:
         if not reply.offsets or len(reply.offsets) != len(dest):

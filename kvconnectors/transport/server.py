@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import auth, wire
+from kvconnectors.transport.faults import FaultPlan, FaultRule, corrupted
+from kvconnectors.transport.nixl import NixlSource
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +42,30 @@ class StoreServer:
     def __init__(self, store: TieredStore, host: str, port: int, *, fingerprint: str,
                  num_layers: int, compat: str, secret: bytes | None = None,
                  idle_timeout_s: float = 300.0, seal_wait_s: float = 10.0,
-                 staging_failure: Callable[[str], TransferError | None] | None = None):
+                 staging_failure: Callable[[str], TransferError | None] | None = None,
+                 faults: FaultPlan | None = None, nixl: bool = False):
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
         self.compat, self.secret = compat, secret
         self.idle_timeout_s, self.seal_wait_s = idle_timeout_s, seal_wait_s
         self.staging_failure = staging_failure or (lambda tid: None)
         self.counters = ServerCounters()
+        self.faults = faults
         self._lock = threading.Lock()
         self._sealed = threading.Condition()
         self._conns: set[socket.socket] = set()
         self._closed = False
+        # nixl: one agent for the server's life, the whole arena registered once (TransferError if
+        # NIXL cannot start); consumers READ from it, this server only progresses it during reads.
+        self.nixl: NixlSource | None = (
+            NixlSource(store.arena_base_address, store.arena_bytes, tag=store.config.instance_name) if nixl else None)
         self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._listener.bind((host, port))
         except OSError as exc:
             self._listener.close()
+            if self.nixl is not None:
+                self.nixl.close()
             raise OSError(exc.errno, f"kvconnectors store server cannot bind {host}:{port}: {exc.strerror}") from None
         self._listener.listen(128)
         self.host, self.port = self._listener.getsockname()[:2]
@@ -94,6 +104,8 @@ class StoreServer:
             except OSError:
                 pass
         self._thread.join(timeout=5)
+        if self.nixl is not None:
+            self.nixl.close()
 
     @property
     def active_connections(self) -> int:
@@ -161,9 +173,14 @@ class StoreServer:
         return True
 
     def _dispatch(self, sock: socket.socket, msg: wire.Message) -> None:
+        fault = self._fault(msg)
+        if fault is not None and fault.action in ("drop", "disconnect"):
+            if fault.action == "disconnect":
+                sock.shutdown(socket.SHUT_RDWR)
+            return  # drop: never answer; the peer's deadline must catch it
         try:
             if isinstance(msg, wire.Read):
-                self._read(sock, msg)
+                self._read(sock, msg, fault)
             elif isinstance(msg, wire.Renew):
                 self._renew(sock, msg)
             elif isinstance(msg, wire.Release):
@@ -173,6 +190,17 @@ class StoreServer:
         except TransferError as exc:
             self.counters.reject(exc.cause.value)
             self._reply_error(sock, exc, read=isinstance(msg, wire.Read))
+
+    def _fault(self, msg: wire.Message) -> FaultRule | None:
+        if self.faults is None:
+            return None
+        event = {wire.Read: "read", wire.Renew: "renew", wire.Release: "release"}.get(type(msg))
+        fault = self.faults.decide(event) if event else None
+        if fault is not None:
+            logger.warning("fault injection: %s on %s", fault.action, event)
+            if fault.action == "delay":
+                time.sleep(fault.delay_s)
+        return fault
 
     @staticmethod
     def _reply_error(sock: socket.socket, exc: TransferError, read: bool = False) -> None:
@@ -196,10 +224,13 @@ class StoreServer:
         if msg.first_block < 0 or msg.num_blocks < 1:
             raise TransferError(FailureCause.PROTOCOL,
                                 f"bad block range first_block={msg.first_block} num_blocks={msg.num_blocks}")
-        if msg.data_path not in ("inline", "shm"):
+        if msg.data_path not in ("inline", "shm", "nixl"):
             raise TransferError(FailureCause.PROTOCOL, f"unknown data_path {msg.data_path!r}")
         if msg.data_path == "shm" and self.store.shm_path is None:
             raise TransferError(FailureCause.PROTOCOL, "data_path 'shm' asked, but this store has no shm arena")
+        if msg.data_path == "nixl" and self.nixl is None:
+            raise TransferError(FailureCause.PROTOCOL,
+                                "data_path 'nixl' asked, but this producer was not started with transport 'nixl'")
 
     def _wait_sealed(self, tid: str) -> None:
         deadline = time.monotonic() + self.seal_wait_s
@@ -215,7 +246,7 @@ class StoreServer:
                     raise TransferError(FailureCause.TIMEOUT, f"transfer {tid!r} was not fully staged in time")
                 self._sealed.wait(left)
 
-    def _read(self, sock: socket.socket, msg: wire.Read) -> None:
+    def _read(self, sock: socket.socket, msg: wire.Read, fault: FaultRule | None = None) -> None:
         self._validate_read(msg)
         self._wait_sealed(msg.transfer_id)
         ttl = self.store.renew(msg.transfer_id)  # a consumer pulling keeps the lease alive
@@ -230,6 +261,9 @@ class StoreServer:
             if per_block is not None:
                 checksums = [per_block[layer * pv.num_blocks + b] for layer in msg.layers
                              for b in range(msg.first_block, last)]
+            if msg.data_path == "nixl":
+                self._serve_nixl(sock, msg, pv, checksums, ttl)
+                return
             if msg.data_path == "shm":
                 offsets = [int(pv.offset(layer, b)) for layer in msg.layers for b in range(msg.first_block, last)]
                 wire.send_msg(sock, wire.ReadReply(ok=True, checksums=checksums, shm_path=pv.shm_path or "",
@@ -242,12 +276,55 @@ class StoreServer:
                 return
             nbytes = len(msg.layers) * msg.num_blocks * pv.slot_bytes
             wire.send_msg(sock, wire.ReadReply(ok=True, nbytes=nbytes, checksums=checksums, lease_ttl_s=ttl))
-            for layer in msg.layers:
-                for b in range(msg.first_block, last):
-                    sock.sendall(pv.memoryview(layer, b))
+            blocks = [pv.memoryview(layer, b) for layer in msg.layers for b in range(msg.first_block, last)]
+            action = fault.action if fault is not None else None
+            if action == "corrupt":
+                blocks = [memoryview(corrupted(b)) for b in blocks]
+            elif action == "truncate":
+                send_all(sock, blocks[:len(blocks) // 2])
+                sock.shutdown(socket.SHUT_RDWR)
+                return
+            send_all(sock, blocks)
         with self._lock:
             self.counters.bytes_sent += nbytes
             self.counters.reads += 1
+
+    def _serve_nixl(self, sock: socket.socket, msg: wire.Read, pv, checksums: list[int] | None,
+                    ttl: float) -> None:
+        """Reply with arena offsets and this agent's metadata; the consumer READs the blocks itself.
+        The entry stays pinned (the caller's with-block) until it answers Release (done) or
+        Ack(ok=False) (its READ failed); meanwhile this thread progresses the agent, which the
+        READ's target must do, and stops when the answer (or EOF) arrives."""
+        assert self.nixl is not None
+        last = msg.first_block + msg.num_blocks
+        offsets = [int(pv.offset(layer, b)) for layer in msg.layers for b in range(msg.first_block, last)]
+        wire.send_msg(sock, wire.ReadReply(ok=True, checksums=checksums, offsets=offsets, lease_ttl_s=ttl,
+                                           nixl_agent_meta=self.nixl.metadata,
+                                           nixl_base_address=self.nixl.base_address))
+        deadline = time.monotonic() + self.idle_timeout_s
+        try:
+            self.nixl.serve_until_readable(sock, deadline)
+            done = wire.recv_msg(sock, deadline)
+        except TransferError as exc:
+            # The consumer vanished or stalled mid-read: the reply stream is out of step, so drop
+            # the connection (the with-block unpins; the lease decides the entry's fate).
+            self.counters.reject(exc.cause.value)
+            logger.info("nixl read of %s by %s ended without a release: %s", msg.transfer_id, _peer(sock), exc)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+        if isinstance(done, wire.Release):
+            with self._lock:
+                self.counters.bytes_sent += len(offsets) * pv.slot_bytes
+                self.counters.reads += 1
+            self._release(sock, done)
+        elif isinstance(done, wire.Ack) and not done.ok:
+            logger.info("consumer %s failed its nixl read of %s: [%s] %s", _peer(sock), msg.transfer_id,
+                        done.cause, done.message)
+        elif not isinstance(done, wire.Ack):
+            self._dispatch(sock, done)  # anything else is a request of its own
 
     def _renew(self, sock: socket.socket, msg: wire.Renew) -> None:
         remaining: dict[str, float] = {}
@@ -262,6 +339,21 @@ class StoreServer:
     def _release(self, sock: socket.socket, msg: wire.Release) -> None:
         self.store.release(msg.transfer_id)  # no-op for an entry that already ended
         wire.send_msg(sock, wire.Ack(ok=True))
+
+
+def send_all(sock: socket.socket, views: list[memoryview], batch: int = 512) -> None:
+    """Gather-send many buffers with few syscalls (sendmsg), resuming after partial sends."""
+    i = 0
+    while i < len(views):
+        chunk = views[i:i + batch]
+        sent = sock.sendmsg(chunk)
+        for v in chunk:  # advance past fully sent views; trim a partially sent one
+            if sent >= len(v):
+                sent -= len(v)
+                i += 1
+            else:
+                views[i] = v[sent:]
+                break
 
 
 def _peer(sock: socket.socket) -> str:

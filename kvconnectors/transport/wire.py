@@ -5,6 +5,12 @@ compatibility hash differs is refused at the handshake with a message naming bot
 
 Version history:
   1 - pull: Hello/Welcome/Proof, Read (inline|shm), Renew, Release.
+  2 - Read data_path "nixl": the consumer READs the blocks itself through NIXL (UCX) from the
+      producer's registered DRAM arena. ReadReply gains nixl_agent_meta and nixl_base_address
+      (arena offsets travel in `offsets`, as for shm); the consumer answers Release (done) or
+      Ack(ok=False) (its READ failed) exactly like the shm path. Additive, but the version is
+      bumped so a v1 peer is refused at the handshake with both versions named instead of
+      failing later on an unknown data_path.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import msgspec
 
 from kvconnectors.errors import FailureCause, TransferError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_CONTROL_BYTES = 1 << 20  # a control frame is metadata only; data never travels in frames
 _LEN = struct.Struct("!I")
 
@@ -47,7 +53,7 @@ class Read(msgspec.Struct, tag=True):
     first_block: int
     num_blocks: int
     fingerprint: str
-    data_path: str = "inline"  # inline: bytes follow the reply on this socket; shm: offsets only
+    data_path: str = "inline"  # inline: bytes follow the reply on this socket; shm / nixl: offsets only
 
 
 class ReadReply(msgspec.Struct, tag=True):
@@ -57,8 +63,10 @@ class ReadReply(msgspec.Struct, tag=True):
     nbytes: int = 0                       # inline: raw bytes that follow, layer-major, block order
     checksums: list[int] | None = None    # xxh3_64 per (layer, block) in the same order
     shm_path: str = ""
-    offsets: list[int] | None = None      # shm: arena offset per (layer, block)
+    offsets: list[int] | None = None      # shm / nixl: arena offset per (layer, block)
     lease_ttl_s: float = 0.0
+    nixl_agent_meta: bytes | None = None  # nixl (v2): the producer agent's metadata, for add_remote_agent
+    nixl_base_address: int = 0            # nixl (v2): address of arena offset 0 in the producer's memory
 
 
 class Renew(msgspec.Struct, tag=True):

@@ -1,0 +1,803 @@
+"""The prefill/decode proxy: one OpenAI endpoint in front of pools of vLLM prefill and decode servers.
+
+Per request (pull mode, the flow of vLLM's toy proxy and NixlConnector):
+  1. prefill leg: the client's body with max_tokens=1, stream=false and
+     kv_transfer_params={"do_remote_decode": true, ...} goes to the least-loaded healthy prefill
+     instance; a connection error or 5xx is retried on another prefill instance;
+  2. the prefill response's `kv_transfer_params` (where the KV is and how to get it) is put on the
+     client's original body, which goes to the least-loaded healthy decode instance;
+  3. the decode response (JSON or SSE stream) goes back to the client.
+Push mode (`--mode push`, or header `X-KV-Transfer-Mode: push`) picks the decode instance first and
+tells the prefill instance where to push: `transfer_mode: "push", push_target: "<decode KV store>"`.
+
+Every wait is bounded (per-leg timeouts), every failure reaches the client as OpenAI-style error JSON
+(`{"error": {"message", "type", "code"}}`, code = HTTP status), a client that goes away closes both
+upstream requests (vLLM then aborts them), and a health loop takes dead instances out and puts
+recovered ones back. Prometheus metrics at /metrics.
+
+Run: `kvconnectors proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200` or
+`python -m integration.proxy ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger("kvconnectors.proxy")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MODE_HEADER = "X-KV-Transfer-Mode"
+MODES = ("pull", "push")
+# Headers passed on to both legs (vLLM may run with --api-key).
+FORWARDED_HEADERS = ("Authorization",)
+
+# NixlConnector's request shape for "this request will be decoded elsewhere"; TieredConnector
+# accepts the same keys and ignores the null ones.
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceSpec:
+    url: str                      # http://host:port, no trailing slash
+    kv_addr: str | None = None    # host:port of the instance's KV store (decode, push mode)
+
+
+@dataclasses.dataclass
+class ProxyConfig:
+    prefill: list[InstanceSpec]
+    decode: list[InstanceSpec]
+    mode: str = "pull"
+    connect_timeout: float = 5.0
+    prefill_timeout: float = 300.0
+    decode_timeout: float = 3600.0
+    decode_idle_timeout: float = 120.0
+    prefill_retries: int = 2
+    health_interval: float = 5.0
+    health_timeout: float = 2.0
+    unhealthy_after: int = 2
+    max_connections: int = 1024
+    max_body_bytes: int = 64 * 2**20
+
+    def validate(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("need at least one --prefill and one --decode instance")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode {self.mode!r}: expected one of {MODES}")
+        if self.mode == "push":
+            missing = [d.url for d in self.decode if not d.kv_addr]
+            if missing:
+                raise ValueError(f"--mode push needs kv=HOST:PORT on every --decode; missing on {missing}")
+        for flag, specs in (("--prefill", self.prefill), ("--decode", self.decode)):
+            urls = [s.url for s in specs]
+            dups = sorted({u for u in urls if urls.count(u) > 1})
+            if dups:
+                raise ValueError(f"{flag} lists the same instance more than once: {dups}")
+
+
+def parse_url(value: str) -> str:
+    """argparse type: an instance base URL, http(s)://host:port, no path."""
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(
+            f"invalid URL {value!r}: expected http://HOST:PORT (with the scheme), e.g. http://127.0.0.1:8100")
+    try:
+        parts.port
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port in URL {value!r}") from None
+    if parts.path not in ("", "/") or parts.query:
+        raise argparse.ArgumentTypeError(
+            f"invalid URL {value!r}: give the server root (http://HOST:PORT), not a path like /v1")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def parse_hostport(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"invalid address {value!r}: expected HOST:PORT")
+    return f"{host}:{int(port)}"
+
+
+def positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = -1.0
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return x
+
+
+def non_negative_int(value: str) -> int:
+    if not value.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def positive_int(value: str) -> int:
+    n = non_negative_int(value)
+    if n == 0:
+        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value!r}")
+    return n
+
+
+def parse_prefill(value: str) -> InstanceSpec:
+    return InstanceSpec(parse_url(value))
+
+
+def parse_decode(value: str) -> InstanceSpec:
+    """argparse type: `URL` or `URL,kv=HOST:PORT`."""
+    url, *opts = value.split(",")
+    kv = None
+    for opt in opts:
+        key, _, val = opt.partition("=")
+        if key.strip() != "kv":
+            raise argparse.ArgumentTypeError(f"unknown option {opt!r} in {value!r}: expected URL[,kv=HOST:PORT]")
+        try:
+            kv = parse_hostport(val.strip())
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"invalid kv address {val!r} in {value!r}: expected kv=HOST:PORT") from None
+    return InstanceSpec(parse_url(url), kv)
+
+
+# --------------------------------------------------------------------------------------------
+# metrics
+
+
+class ProxyMetrics:
+    """All proxy metrics, in their own registry (several proxies can live in one process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        lat = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+        self.ttft = Histogram("kvproxy_ttft_seconds", "Time to first streamed decode event, from request arrival",
+                              ["endpoint"], buckets=lat, registry=r)
+        self.itl = Histogram("kvproxy_itl_seconds", "Time between streamed decode events",
+                             ["endpoint"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                             registry=r)
+        self.e2e = Histogram("kvproxy_e2e_latency_seconds", "Request latency, arrival to last byte",
+                             ["endpoint"], buckets=lat, registry=r)
+        self.prefill_latency = Histogram("kvproxy_prefill_latency_seconds", "Prefill leg latency (successful attempt)",
+                                         buckets=lat, registry=r)
+        self.requests = Counter("kvproxy_requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.outstanding = Gauge("kvproxy_outstanding_requests", "Requests in flight per instance",
+                                 ["role", "instance"], registry=r)
+        self.healthy = Gauge("kvproxy_instance_healthy", "1 if the instance is in rotation, else 0",
+                             ["role", "instance"], registry=r)
+        self.prefill_failures = Counter("kvproxy_prefill_failures", "Failed prefill attempts by reason",
+                                        ["reason"], registry=r)
+        self.decode_failures = Counter("kvproxy_decode_failures", "Failed decode legs by reason",
+                                       ["reason"], registry=r)
+        self.retries = Counter("kvproxy_prefill_retries", "Prefill attempts retried on another instance",
+                               registry=r)
+
+
+# --------------------------------------------------------------------------------------------
+# instances and routing
+
+
+class Instance:
+    def __init__(self, spec: InstanceSpec, role: str, metrics: ProxyMetrics):
+        self.spec, self.role = spec, role
+        self.url = spec.url
+        self.outstanding = 0
+        self.healthy = True
+        self.failed_checks = 0
+        self._gauge = metrics.outstanding.labels(role, spec.url)
+        self._health = metrics.healthy.labels(role, spec.url)
+        self._gauge.set(0)
+        self._health.set(1)
+
+    def acquire(self) -> None:
+        self.outstanding += 1
+        self._gauge.set(self.outstanding)
+
+    def release(self) -> None:
+        self.outstanding -= 1
+        self._gauge.set(self.outstanding)
+
+    def set_healthy(self, ok: bool, why: str = "") -> None:
+        if ok != self.healthy:
+            if ok:
+                log.info("%s %s is healthy again; back in rotation", self.role, self.url)
+            else:
+                log.warning("%s %s taken out of rotation: %s", self.role, self.url, why)
+        self.healthy = ok
+        self._health.set(1 if ok else 0)
+
+    def record_check(self, ok: bool, unhealthy_after: int, why: str = "") -> None:
+        if ok:
+            self.failed_checks = 0
+            self.set_healthy(True)
+        else:
+            self.failed_checks += 1
+            if self.failed_checks >= unhealthy_after:
+                self.set_healthy(False, why)
+
+    def state(self) -> dict[str, Any]:
+        return {"url": self.url, "healthy": self.healthy, "outstanding": self.outstanding,
+                **({"kv": self.spec.kv_addr} if self.spec.kv_addr else {})}
+
+
+class Pool:
+    """Healthy instances, least outstanding requests first; ties rotate so equal load spreads."""
+
+    def __init__(self, role: str, specs: Sequence[InstanceSpec], metrics: ProxyMetrics):
+        self.role = role
+        self.instances = [Instance(s, role, metrics) for s in specs]
+        self._turn = itertools.count()
+
+    def pick(self, exclude: set[Instance] | frozenset[Instance] = frozenset(),
+             need_kv: bool = False) -> Instance | None:
+        n = len(self.instances)
+        start = next(self._turn) % n
+        best: Instance | None = None
+        for k in range(n):
+            inst = self.instances[(start + k) % n]
+            if not inst.healthy or inst in exclude or (need_kv and not inst.spec.kv_addr):
+                continue
+            if best is None or inst.outstanding < best.outstanding:
+                best = inst
+        return best
+
+    def any_healthy(self) -> bool:
+        return any(i.healthy for i in self.instances)
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+
+
+class ProxyError(Exception):
+    """A request failure to report to the client as OpenAI-style error JSON."""
+
+    def __init__(self, status: int, type_: str, message: str, reason: str = "", retryable: bool = False):
+        super().__init__(message)
+        self.status, self.type, self.message = status, type_, message
+        self.reason = reason or type_
+        self.retryable = retryable
+
+
+class ClientGone(Exception):
+    """The client closed its connection mid-response; `response` is what was being written."""
+
+    def __init__(self, response: web.StreamResponse):
+        super().__init__("client disconnected")
+        self.response = response
+
+
+class PassThrough(Exception):
+    """An upstream 4xx (the client's request is at fault): hand it back unchanged."""
+
+    def __init__(self, status: int, body: bytes, content_type: str):
+        super().__init__(status)
+        self.status, self.body, self.content_type = status, body, content_type
+
+
+def error_body(status: int, type_: str, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": status}}
+
+
+def _snippet(data: bytes | str, n: int = 300) -> str:
+    text = data.decode(errors="replace") if isinstance(data, bytes) else data
+    try:  # vLLM's own error JSON: keep just its message
+        text = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    text = " ".join(str(text).split())
+    return text[:n] + ("..." if len(text) > n else "")
+
+
+def _is_connect_error(exc: BaseException) -> bool:
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+
+
+# --------------------------------------------------------------------------------------------
+# the proxy
+
+
+@dataclasses.dataclass
+class _Call:
+    """One client request as it moves through the legs."""
+
+    endpoint: str            # "completions" | "chat"
+    path: str                # /v1/completions | /v1/chat/completions
+    body: dict[str, Any]
+    request_id: str
+    mode: str
+    headers: dict[str, str]
+    started: float
+
+
+class PDProxy:
+    def __init__(self, config: ProxyConfig):
+        config.validate()
+        self.config = config
+        self.metrics = ProxyMetrics()
+        self.prefill = Pool("prefill", config.prefill, self.metrics)
+        self.decode = Pool("decode", config.decode, self.metrics)
+        self.app = self._build_app()
+        self.session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.port: int | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/healthcheck", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
+        """Check every instance once, then listen. Returns the bound port (useful with port=0)."""
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.config.max_connections, limit_per_host=0),
+            auto_decompress=False)
+        await self.check_health_once()
+        self._health_task = asyncio.create_task(self._health_loop(), name="proxy-health")
+        # handler_cancellation: a client that disconnects cancels its handler, which closes both
+        # upstream connections, which makes vLLM abort the request.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        sockets = getattr(site._server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else port
+        log.info("P/D proxy on http://%s:%s (mode %s); prefill %s; decode %s", host, self.port,
+                 self.config.mode, [i.url for i in self.prefill.instances],
+                 [i.state() for i in self.decode.instances])
+        return self.port
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+            self._health_task = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    # ---- health -------------------------------------------------------------------------
+
+    def all_instances(self) -> list[Instance]:
+        return self.prefill.instances + self.decode.instances
+
+    async def check_health_once(self) -> None:
+        await asyncio.gather(*(self._check(i) for i in self.all_instances()))
+
+    async def _check(self, inst: Instance) -> None:
+        assert self.session is not None
+        why = ""
+        try:
+            async with self.session.get(f"{inst.url}/health",
+                                        timeout=aiohttp.ClientTimeout(total=self.config.health_timeout)) as r:
+                ok = r.status == 200
+                why = f"/health returned HTTP {r.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            ok, why = False, f"/health failed: {exc.__class__.__name__}: {exc}"
+        inst.record_check(ok, self.config.unhealthy_after, why)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            try:
+                await self.check_health_once()
+            except Exception:  # never let the loop die; the next round tries again
+                log.exception("health check round failed")
+
+    # ---- small endpoints ----------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ok = self.prefill.any_healthy() and self.decode.any_healthy()
+        body = {"status": "ok" if ok else "unavailable", "mode": self.config.mode,
+                "prefill": [i.state() for i in self.prefill.instances],
+                "decode": [i.state() for i in self.decode.instances]}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        assert self.session is not None
+        inst = self.decode.pick()
+        if inst is None:
+            return self._error(503, "service_unavailable", "no healthy decode instance", "")
+        try:
+            async with self.session.get(f"{inst.url}/v1/models", headers=self._forward_headers(request),
+                                        timeout=aiohttp.ClientTimeout(total=self.config.connect_timeout + 10)) as r:
+                return web.Response(body=await r.read(), status=r.status,
+                                    content_type=r.content_type or "application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return self._error(502, "upstream_unavailable", f"decode instance {inst.url}: {exc}", "")
+
+    # ---- the P/D flow -------------------------------------------------------------------
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "completions", "/v1/completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "chat", "/v1/chat/completions")
+
+    def _forward_headers(self, request: web.Request) -> dict[str, str]:
+        return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+
+    def _error(self, status: int, type_: str, message: str, request_id: str) -> web.Response:
+        headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+        return web.json_response(error_body(status, type_, message), status=status, headers=headers)
+
+    async def _handle(self, request: web.Request, endpoint: str, path: str) -> web.StreamResponse:
+        started = time.monotonic()
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        status = 500
+        try:
+            try:
+                body = await request.json()
+                if not isinstance(body, dict):
+                    raise ValueError("the body must be a JSON object")
+            except ValueError as exc:
+                raise ProxyError(400, "invalid_request_error", f"invalid JSON body: {exc}") from None
+            mode = request.headers.get(MODE_HEADER, self.config.mode).strip().lower()
+            if mode not in MODES:
+                raise ProxyError(400, "invalid_request_error",
+                                 f"header {MODE_HEADER}: {mode!r} is not one of {list(MODES)}")
+            headers = {**self._forward_headers(request), REQUEST_ID_HEADER: request_id}
+            call = _Call(endpoint, path, body, request_id, mode, headers, started)
+            resp = await self._run(request, call)
+            status = resp.status
+            return resp
+        except ClientGone as exc:
+            status = 499  # client closed the request (nginx's convention)
+            log.info("request %s: client disconnected; upstream request closed", request_id)
+            return exc.response
+        except PassThrough as exc:
+            status = exc.status
+            return web.Response(body=exc.body, status=exc.status, content_type=exc.content_type or "application/json",
+                                headers={REQUEST_ID_HEADER: request_id})
+        except ProxyError as exc:
+            status = exc.status
+            log.warning("request %s failed: %s", request_id, exc.message)
+            return self._error(exc.status, exc.type, f"{exc.message} (request id {request_id})", request_id)
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.e2e.labels(endpoint).observe(time.monotonic() - started)
+
+    async def _run(self, request: web.Request, call: _Call) -> web.StreamResponse:
+        if call.mode == "push":
+            # The prefill instance must know where to push before it starts, so decode goes first.
+            decode = self.decode.pick(need_kv=True)
+            if decode is None:
+                if any(i.spec.kv_addr for i in self.decode.instances):
+                    raise ProxyError(503, "service_unavailable", "no healthy decode instance with a KV store "
+                                     "address for push mode", "no_healthy_instance")
+                raise ProxyError(400, "invalid_request_error", "push mode needs decode instances started "
+                                 "with a KV store address (--decode URL,kv=HOST:PORT)")
+            decode.acquire()  # hold its slot from now, so concurrent pushes spread out
+            try:
+                kv = await self._prefill(call, push_target=decode.spec.kv_addr)
+                return await self._decode(request, call, kv, decode)
+            finally:
+                decode.release()
+        kv = await self._prefill(call)
+        decode = self.decode.pick()
+        if decode is None:
+            self.metrics.decode_failures.labels("no_healthy_instance").inc()
+            raise ProxyError(503, "service_unavailable", "no healthy decode instance", "no_healthy_instance")
+        decode.acquire()
+        try:
+            return await self._decode(request, call, kv, decode)
+        finally:
+            decode.release()
+
+    def _prefill_body(self, call: _Call, push_target: str | None) -> dict[str, Any]:
+        body = dict(call.body)
+        body["max_tokens"] = 1
+        if call.endpoint == "chat":
+            body["max_completion_tokens"] = 1
+        body["stream"] = False
+        body.pop("stream_options", None)
+        body.pop("min_tokens", None)
+        kv = dict(PREFILL_KV_PARAMS)
+        if push_target is not None:
+            kv.update(transfer_mode="push", push_target=push_target)
+        body["kv_transfer_params"] = kv
+        return body
+
+    async def _prefill(self, call: _Call, push_target: str | None = None) -> dict[str, Any]:
+        """Run the prefill leg, retrying retryable failures on other instances. Returns the
+        kv_transfer_params for the decode leg."""
+        body = self._prefill_body(call, push_target)
+        tried: set[Instance] = set()
+        errors: list[str] = []
+        last: ProxyError | None = None
+        for attempt in range(1 + max(0, self.config.prefill_retries)):
+            inst = self.prefill.pick(exclude=tried)
+            if inst is None:
+                break
+            tried.add(inst)
+            if attempt:
+                self.metrics.retries.inc()
+                log.info("request %s: retrying prefill on %s", call.request_id, inst.url)
+            try:
+                return await self._prefill_once(inst, call, body)
+            except PassThrough:
+                self.metrics.prefill_failures.labels("http_4xx").inc()
+                raise
+            except ProxyError as exc:
+                self.metrics.prefill_failures.labels(exc.reason).inc()
+                errors.append(exc.message)
+                last = exc
+                if not exc.retryable:
+                    raise
+        if last is None:
+            self.metrics.prefill_failures.labels("no_healthy_instance").inc()
+            raise ProxyError(503, "service_unavailable", "no healthy prefill instance", "no_healthy_instance")
+        if len(errors) > 1:
+            raise ProxyError(last.status, last.type,
+                             f"prefill failed on {len(errors)} instances: " + "; ".join(errors), last.reason)
+        raise last
+
+    async def _prefill_once(self, inst: Instance, call: _Call, body: dict[str, Any]) -> dict[str, Any]:
+        assert self.session is not None
+        cfg = self.config
+        timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout)
+        t0 = time.monotonic()
+        inst.acquire()
+        try:
+            async with self.session.post(f"{inst.url}{call.path}", json=body, headers=call.headers,
+                                         timeout=timeout) as resp:
+                data = await resp.read()
+                if resp.status >= 500:
+                    raise ProxyError(502, "upstream_error", f"prefill instance {inst.url} returned HTTP "
+                                     f"{resp.status}: {_snippet(data)}", "http_5xx", retryable=True)
+                if resp.status >= 400:
+                    raise PassThrough(resp.status, data, resp.content_type)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            if _is_connect_error(exc):
+                inst.set_healthy(False, f"connect failed: {exc}")
+                raise ProxyError(502, "upstream_unavailable", f"prefill instance {inst.url} unreachable: {exc}",
+                                 "connect_error", retryable=True) from None
+            if isinstance(exc, asyncio.TimeoutError):
+                raise ProxyError(504, "upstream_timeout", f"prefill instance {inst.url} did not answer within "
+                                 f"{cfg.prefill_timeout:g} s (--prefill-timeout)", "timeout") from None
+            raise ProxyError(502, "upstream_error", f"prefill instance {inst.url} failed: "
+                             f"{exc.__class__.__name__}: {exc}", "connection_lost", retryable=True) from None
+        finally:
+            inst.release()
+        try:
+            kv = json.loads(data).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            raise ProxyError(502, "upstream_error", f"prefill instance {inst.url} returned a body that is not "
+                             f"JSON: {_snippet(data, 120)}", "bad_response", retryable=True) from None
+        if not isinstance(kv, dict) or not kv:
+            # vLLM answers normally when no connector is configured; decoding from scratch would
+            # hide that the transfer never happened, so fail loudly instead.
+            raise ProxyError(502, "kv_transfer_error", f"prefill instance {inst.url} returned no "
+                             "kv_transfer_params: is it running with --kv-transfer-config and kv_role "
+                             "kv_producer (or kv_both)? Refusing to decode without the KV transfer",
+                             "missing_kv_transfer_params")
+        self.metrics.prefill_latency.observe(time.monotonic() - t0)
+        return kv
+
+    async def _decode(self, request: web.Request, call: _Call, kv: dict[str, Any],
+                      inst: Instance) -> web.StreamResponse:
+        assert self.session is not None
+        cfg = self.config
+        body = dict(call.body)
+        body["kv_transfer_params"] = kv
+        timeout = aiohttp.ClientTimeout(total=cfg.decode_timeout, sock_connect=cfg.connect_timeout,
+                                        sock_read=cfg.decode_idle_timeout)
+        out: web.StreamResponse | None = None
+        fail = self.metrics.decode_failures
+        try:
+            async with self.session.post(f"{inst.url}{call.path}", json=body, headers=call.headers,
+                                         timeout=timeout) as up:
+                try:
+                    if up.status >= 400:
+                        data = await up.read()
+                        if up.status < 500:
+                            fail.labels("http_4xx").inc()
+                            raise PassThrough(up.status, data, up.content_type)
+                        fail.labels("http_5xx").inc()
+                        raise ProxyError(502, "upstream_error", f"decode instance {inst.url} returned HTTP "
+                                         f"{up.status}: {_snippet(data)}", "http_5xx")
+                    if up.content_type != "text/event-stream":
+                        data = await up.read()
+                        return web.Response(body=data, status=up.status,
+                                            content_type=up.content_type or "application/json",
+                                            headers={REQUEST_ID_HEADER: call.request_id})
+                    out = web.StreamResponse(status=up.status, headers={
+                        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                        REQUEST_ID_HEADER: call.request_id})
+                    await out.prepare(request)
+                    await self._relay_stream(up, out, call)
+                    try:
+                        await out.write_eof()
+                    except (ConnectionResetError, RuntimeError):
+                        raise ClientGone(out) from None
+                    return out
+                except (asyncio.CancelledError, ClientGone):
+                    # The client went away: drop the upstream connection so vLLM aborts the request.
+                    fail.labels("client_disconnect").inc()
+                    up.close()
+                    raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            if _is_connect_error(exc):
+                inst.set_healthy(False, f"connect failed: {exc}")
+                reason, status, type_ = "connect_error", 502, "upstream_unavailable"
+                msg = f"decode instance {inst.url} unreachable: {exc}"
+            elif isinstance(exc, asyncio.TimeoutError):
+                reason, status, type_ = "timeout", 504, "upstream_timeout"
+                msg = (f"decode instance {inst.url} timed out (no data for {cfg.decode_idle_timeout:g} s, "
+                       f"--decode-idle-timeout, or over {cfg.decode_timeout:g} s in all, --decode-timeout)")
+            else:
+                reason, status, type_ = "connection_lost", 502, "upstream_error"
+                msg = f"decode instance {inst.url} failed: {exc.__class__.__name__}: {exc}"
+            fail.labels(reason).inc()
+            if out is None:
+                raise ProxyError(status, type_, msg, reason) from None
+            # Headers are gone already: end the stream with an error event, as vLLM does.
+            log.warning("request %s: decode stream broken: %s", call.request_id, msg)
+            event = error_body(status, type_, f"{msg} (request id {call.request_id})")
+            try:
+                await out.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+                await out.write_eof()
+            except (ConnectionResetError, RuntimeError):
+                pass
+            return out
+
+    async def _relay_stream(self, up: aiohttp.ClientResponse, out: web.StreamResponse, call: _Call) -> None:
+        """Forward bytes as they come; time SSE events for TTFT and inter-token latency."""
+        buf = b""
+        last: float | None = None
+        ttft, itl = self.metrics.ttft.labels(call.endpoint), self.metrics.itl.labels(call.endpoint)
+        async for chunk in up.content.iter_any():
+            try:
+                await out.write(chunk)
+            except (ConnectionResetError, RuntimeError):  # RuntimeError: transport already closed
+                raise ClientGone(out) from None
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if not event.startswith(b"data:") or event.strip() == b"data: [DONE]":
+                    continue
+                now = time.monotonic()
+                if last is None:
+                    ttft.observe(now - call.started)
+                else:
+                    itl.observe(now - last)
+                last = now
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", action="append", type=parse_prefill, required=True, metavar="URL",
+                        help="a prefill (kv_producer) instance, e.g. http://127.0.0.1:8100; repeat for more")
+    parser.add_argument("--decode", action="append", type=parse_decode, required=True,
+                        metavar="URL[,kv=HOST:PORT]",
+                        help="a decode (kv_consumer) instance; kv= is the address of its KV store, "
+                             "needed for push mode; repeat for more")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--mode", choices=MODES, default="pull",
+                        help="pull: decode fetches the KV after prefill; push: prefill pushes it to the "
+                             f"chosen decode instance while it computes. Per request: header {MODE_HEADER}")
+    parser.add_argument("--connect-timeout", type=positive_float, default=5.0,
+                        help="seconds to open a connection to an instance")
+    parser.add_argument("--prefill-timeout", type=positive_float, default=300.0,
+                        help="seconds for a whole prefill leg (per attempt)")
+    parser.add_argument("--decode-timeout", type=positive_float, default=3600.0,
+                        help="seconds for a whole decode leg, streaming included")
+    parser.add_argument("--decode-idle-timeout", type=positive_float, default=120.0,
+                        help="seconds without any byte from the decode instance before giving up")
+    parser.add_argument("--prefill-retries", type=non_negative_int, default=2,
+                        help="extra prefill attempts, each on another instance, after a connection error "
+                             "or 5xx")
+    parser.add_argument("--health-interval", type=positive_float, default=5.0,
+                        help="seconds between GET /health rounds over all instances")
+    parser.add_argument("--health-timeout", type=positive_float, default=2.0, help="seconds for one /health probe")
+    parser.add_argument("--unhealthy-after", type=positive_int, default=2,
+                        help="failed /health probes in a row before an instance leaves rotation "
+                             "(a refused connection during a request takes it out at once)")
+    parser.add_argument("--max-connections", type=positive_int, default=1024,
+                        help="upper bound on open upstream connections")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="proxy log level")
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(
+        prefill=list(args.prefill), decode=list(args.decode), mode=args.mode,
+        connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
+        decode_timeout=args.decode_timeout, decode_idle_timeout=args.decode_idle_timeout,
+        prefill_retries=args.prefill_retries, health_interval=args.health_interval,
+        health_timeout=args.health_timeout, unhealthy_after=args.unhealthy_after,
+        max_connections=args.max_connections)
+
+
+async def serve(config: ProxyConfig, host: str, port: int, stop: asyncio.Event | None = None) -> None:
+    """Run the proxy until `stop` is set, or SIGINT/SIGTERM (when called from the main thread)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    handled: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread: the caller owns shutdown
+    proxy = PDProxy(config)
+    try:
+        await proxy.start(host, port)
+        await stop.wait()
+    finally:
+        await proxy.stop()
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except ValueError as exc:
+        print(f"kvconnectors proxy: error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config, args.host, args.port))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m integration.proxy", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

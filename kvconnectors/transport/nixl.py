@@ -1,0 +1,479 @@
+"""The `nixl` data path: the consumer READs staged blocks through NIXL (UCX backend) straight from
+the producer's DRAM arena into its own KV cache blocks. The control protocol stays ours (Hello /
+Read / Release on the store server's socket); only the bytes move through NIXL.
+
+    producer (NixlSource)                          consumer (NixlSink)
+    arena registered once at server start          KV cache layers registered once, at first pull
+    Read(data_path="nixl") ──▶ pin entry
+                          ◀── ReadReply(agent meta, arena base, offsets, checksums)
+    progress own worker while the READ runs        add_remote_agent (cached per producer address)
+                                                   prep local + remote dlists, make_prepped_xfer,
+                                                   transfer, poll check_xfer_state until DONE
+                          ◀── Release (or Ack(ok=False) when the READ failed)
+    unpin / free the entry
+
+No spinning while idle. NIXL's UCX progress thread busy-polls a whole core per agent even when
+nothing moves, so both agents run with the progress thread off and are progressed only while a
+transfer is in flight: the consumer polls its transfer's state, the producer (the READ target, which
+must progress or the consumer's connection wire-up is never answered) polls its worker from the
+connection thread that waits for the consumer's Release, with the same backoff (0, 50 us, doubling
+to 1 ms; 10 ms once a transfer has run for seconds). An idle agent then costs no CPU.
+
+Both agents use NIXL's STRICT thread-sync mode (one lock around every agent call): the server has a
+thread per connection, the consumer a pool of pull threads, and they share one agent per process.
+
+Every NIXL failure becomes a `TransferError` (peer_unreachable / timeout / protocol) whose message
+names the step that failed, and transfer handles and descriptor lists are released on every path.
+
+On a CPU-only host set UCX_NET_DEVICES=lo and UCX_MODULES=^ib in the environment of every process
+that loads NIXL (see ../reference/transfer_engines_on_cpu.md); this module leaves UCX's environment
+alone, because on an RDMA host those settings would disable the network it should use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvconnectors.errors import ConfigError, FailureCause, TransferError
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'kvconnectors[nixl]' (install the CPU torch wheel first on CPU hosts)"
+
+_api_module: Any = None
+_api_lock = threading.Lock()
+
+
+def _api() -> Any:
+    """`nixl._api`, imported on first use (the import alone costs ~2 s)."""
+    global _api_module
+    if _api_module is None:
+        with _api_lock:
+            if _api_module is None:
+                from nixl import _api as api  # noqa: PLC0415 - optional dependency
+
+                _api_module = api
+    return _api_module
+
+
+def nixl_import_error() -> str | None:
+    """None when NIXL imports here, else why it does not."""
+    try:
+        _api()
+    except Exception as exc:  # ImportError, or a backend wheel that fails to load its libraries
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def require_nixl() -> None:
+    """Fail start-up of transport "nixl" with an actionable message when NIXL cannot be imported."""
+    why = nixl_import_error()
+    if why is not None:
+        raise ConfigError("transport", "nixl", f"needs the NIXL Python package, which cannot be imported "
+                                               f"here ({why}); install it with {INSTALL_HINT}")
+
+
+def agent_config(progress_thread: bool = False) -> Any:
+    """UCX backend; progress thread off unless asked (it spins a core even when idle)."""
+    api = _api()
+    return api.nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
+                                 backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+
+
+def unique_agent_name(role: str, tag: str = "") -> str:
+    """Names are unique per process start, so a restarted producer is told apart from its old self."""
+    tag = "".join(c for c in tag if c.isalnum() or c in "-_.")[:32]
+    return f"kvc-{role}-{tag + '-' if tag else ''}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _cause_of(exc: BaseException) -> FailureCause:
+    name = type(exc).__name__
+    if "RemoteDisconnect" in name:
+        return FailureCause.PEER_UNREACHABLE
+    if "Cancelled" in name:
+        return FailureCause.TIMEOUT
+    return FailureCause.PROTOCOL
+
+
+def _create_agent(role: str, name: str | None, tag: str) -> Any:
+    try:
+        api = _api()
+    except Exception as exc:
+        raise TransferError(FailureCause.PROTOCOL, f"NIXL is not importable ({_describe(exc)}); "
+                                                   f"install it with {INSTALL_HINT}") from None
+    name = name or unique_agent_name(role, tag)
+    try:
+        agent = api.nixl_agent(name, agent_config())
+    except Exception as exc:
+        raise TransferError(FailureCause.PROTOCOL,
+                            f"NIXL {role} agent {name!r} could not be created: {_describe(exc)}") from None
+    if "UCX" not in agent.backends:
+        raise TransferError(FailureCause.PROTOCOL, (
+            f"NIXL {role} agent {name!r} has no UCX backend (plugins found: {agent.get_plugin_list()}); "
+            "check NIXL_PLUGIN_DIR and the UCX libraries of the nixl wheel"))
+    return agent
+
+
+def _reg_descs(regions: Sequence[tuple[int, int]]) -> np.ndarray:
+    descs = np.zeros((len(regions), 3), dtype=np.uint64)
+    for i, (addr, nbytes) in enumerate(regions):
+        descs[i, 0], descs[i, 1] = addr, nbytes
+    return descs
+
+
+class Backoff:
+    """Sleep lengths for polling an in-flight transfer: 0, 50 us, doubling to 1 ms, then 10 ms once
+    the transfer has been in flight for `slow_after_s` (stalled, or very large: either way 10 ms is
+    noise), so a stuck peer costs almost nothing while the deadline runs out."""
+
+    def __init__(self, first_s: float = 50e-6, cap_s: float = 1e-3, slow_after_s: float = 2.0,
+                 slow_cap_s: float = 10e-3):
+        self.first_s, self.cap_s, self.slow_cap_s = first_s, cap_s, slow_cap_s
+        self.slow_at = time.monotonic() + slow_after_s
+        self.delay = 0.0
+
+    def next(self) -> float:
+        d = self.delay
+        cap = self.slow_cap_s if time.monotonic() >= self.slow_at else self.cap_s
+        self.delay = min(max(d * 2, self.first_s), cap)
+        return d
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    fd = sock.fileno()
+    if fd < 0:
+        return True  # closed under us: let the caller's recv report it
+    if fd < 1024:  # select's FD_SETSIZE; it takes a microsecond timeout, poll only milliseconds
+        r, _, x = select.select([fd], [], [fd], timeout)
+        return bool(r or x)
+    p = select.poll()
+    p.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(p.poll(timeout * 1000.0))
+
+
+# ============================================================================== producer side
+class NixlSource:
+    """The producer's agent: registers the store's DRAM arena [base_address, +nbytes) once and
+    progresses its UCX worker while a consumer READs from it."""
+
+    def __init__(self, base_address: int, nbytes: int, *, name: str | None = None, tag: str = ""):
+        if base_address <= 0 or nbytes <= 0:
+            raise ValueError(f"bad arena region base=0x{base_address:x} nbytes={nbytes}")
+        self.base_address, self.nbytes = int(base_address), int(nbytes)
+        self._agent = _create_agent("producer", name, tag)
+        self.name: str = self._agent.name
+        try:
+            self._reg = self._agent.register_memory(_reg_descs([(self.base_address, self.nbytes)]), "DRAM")
+            self.metadata: bytes = self._agent.get_agent_metadata()  # after registering: it lists the arena
+        except Exception as exc:
+            self._agent = None
+            raise TransferError(FailureCause.PROTOCOL, (
+                f"NIXL producer agent {self.name!r} could not register the store arena "
+                f"(0x{self.base_address:x}, {self.nbytes} B): {_describe(exc)}")) from None
+        self.progress_calls = 0
+        self._closed = False
+
+    def progress(self) -> None:
+        """One progress pass of the agent's worker (answers wire-up, drains notifications)."""
+        if self._closed:
+            return
+        self.progress_calls += 1
+        try:
+            self._agent.get_new_notifs()
+        except Exception as exc:  # a progress error concerns one peer; its own READ reports it
+            logger.debug("NIXL producer %s: progress failed: %s", self.name, _describe(exc))
+
+    def serve_until_readable(self, sock: socket.socket, deadline: float) -> None:
+        """Progress the agent while the consumer's READ is in flight, until `sock` has something
+        to read (its Release or Ack, or EOF when it went away). TIMEOUT at the deadline."""
+        backoff = Backoff()
+        while True:
+            self.progress()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError(FailureCause.TIMEOUT, (
+                    f"consumer {_peer(sock)} neither released nor failed its NIXL read before the deadline"))
+            if _readable(sock, min(backoff.next(), left)):
+                return
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._agent.deregister_memory(self._reg)
+        except Exception as exc:
+            logger.warning("NIXL producer %s: deregistering the arena failed: %s", self.name, _describe(exc))
+        self._agent = None  # the C++ agent goes with its last reference
+
+
+# ============================================================================== consumer side
+class NixlSink:
+    """The consumer's agent (one per worker process): READs remote arena blocks into local memory
+    registered once with `register`. Safe to call from several pull threads."""
+
+    def __init__(self, *, name: str | None = None, tag: str = ""):
+        self._agent = _create_agent("consumer", name, tag)
+        self.name: str = self._agent.name
+        self._lock = threading.Lock()               # peers, registrations, counters
+        self._regs: dict[tuple[int, int], Any] = {}  # (addr, nbytes) -> nixlRegDList
+        self._starts = np.empty(0, dtype=np.uint64)  # sorted registered regions, for the range check
+        self._ends = np.empty(0, dtype=np.uint64)
+        self._peers: dict[str, tuple[bytes, str]] = {}  # producer address -> (agent metadata, agent name)
+        self._stuck: list[Any] = []                 # handles NIXL refused to release (still active)
+        self.open_handles = 0                       # prepped dlists + xfer handles not yet released
+        self.reads = 0
+        self.peer_loads = 0
+        self._closed = False
+
+    # -------------------------------------------------------------- registration
+    def register(self, arrays: Iterable[Any]) -> None:
+        """Register each array's memory (numpy arrays or CPU tensors, contiguous) once."""
+        regions = []
+        for arr in arrays:
+            if hasattr(arr, "data_ptr"):  # torch tensor
+                regions.append((int(arr.data_ptr()), int(arr.numel() * arr.element_size())))
+            else:
+                a = np.asarray(arr)
+                if not a.flags.c_contiguous:
+                    raise ValueError("NIXL registration needs contiguous memory")
+                regions.append((int(a.ctypes.data), int(a.nbytes)))
+        self.register_regions(regions)
+
+    def register_regions(self, regions: Iterable[tuple[int, int]]) -> None:
+        with self._lock:
+            self._check_open()
+            for addr, nbytes in regions:
+                if (addr, nbytes) in self._regs or nbytes <= 0:
+                    continue
+                try:
+                    self._regs[(addr, nbytes)] = self._agent.register_memory(_reg_descs([(addr, nbytes)]), "DRAM")
+                except Exception as exc:
+                    raise TransferError(FailureCause.PROTOCOL, (
+                        f"NIXL consumer agent {self.name!r} could not register local memory "
+                        f"(0x{addr:x}, {nbytes} B): {_describe(exc)}")) from None
+            keys = sorted(self._regs)
+            self._starts = np.array([a for a, _ in keys], dtype=np.uint64)
+            self._ends = np.array([a + n for a, n in keys], dtype=np.uint64)
+
+    def _check_local(self, addrs: np.ndarray, length: int) -> None:
+        starts, ends = self._starts, self._ends
+        if starts.size == 0:
+            raise TransferError(FailureCause.PROTOCOL, "no local memory is registered with the NIXL consumer agent")
+        i = np.searchsorted(starts, addrs, side="right") - 1
+        ok = (i >= 0) & (addrs + np.uint64(length) <= ends[np.maximum(i, 0)])
+        if not ok.all():
+            bad = int(addrs[~ok][0])
+            raise TransferError(FailureCause.PROTOCOL, (
+                f"destination block at 0x{bad:x} (+{length} B) is outside the memory registered with NIXL"))
+
+    # -------------------------------------------------------------- peers
+    def _peer(self, key: str, meta: bytes) -> str:
+        with self._lock:
+            self._check_open()
+            cached = self._peers.get(key)
+            if cached is not None and cached[0] == meta:
+                return cached[1]
+            if cached is not None:  # the producer restarted (new agent) or re-registered: drop the stale one
+                logger.info("NIXL producer at %s changed agent (%s); reloading its metadata", key, cached[1])
+                self._remove_locked(key)
+            try:
+                name = self._agent.add_remote_agent(meta)
+            except Exception as exc:
+                # BACKEND here is UCX failing to create the endpoint: the producer is not there
+                cause = (FailureCause.PEER_UNREACHABLE if "Backend" in type(exc).__name__ else _cause_of(exc))
+                raise TransferError(cause, f"NIXL could not load the agent of producer {key} "
+                                           f"(add_remote_agent: {_describe(exc)})") from None
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._peers[key] = (meta, name)
+            self.peer_loads += 1
+            return name
+
+    def _remove_locked(self, key: str) -> None:
+        entry = self._peers.pop(key, None)
+        if entry is None:
+            return
+        if any(other[1] == entry[1] for other in self._peers.values()):
+            return  # the same agent is still known under another address
+        try:
+            self._agent.remove_remote_agent(entry[1])
+        except Exception as exc:
+            logger.debug("NIXL remove_remote_agent(%s) failed: %s", entry[1], _describe(exc))
+
+    def forget(self, key: str) -> None:
+        """Drop the cached agent of the producer at `key` (it failed; the next pull reloads it)."""
+        with self._lock:
+            if not self._closed:
+                self._remove_locked(key)
+
+    @property
+    def peers(self) -> dict[str, str]:
+        with self._lock:
+            return {k: v[1] for k, v in self._peers.items()}
+
+    # -------------------------------------------------------------- transfers
+    def read_blocks(self, key: str, meta: bytes, base_address: int, offsets: Sequence[int],
+                    dest: Sequence[memoryview], deadline: float) -> int:
+        """READ remote blocks [base_address + offsets[i], +len(dest[i])) into dest[i]; all blocks the
+        same size. Returns the bytes read."""
+        if not dest:
+            return 0
+        length = len(dest[0])
+        local = np.fromiter((_address(v, length) for v in dest), dtype=np.uint64, count=len(dest))
+        return self.read(key, meta, base_address + np.asarray(offsets, dtype=np.uint64), local, length, deadline)
+
+    def read(self, key: str, meta: bytes, remote_addrs: np.ndarray, local_addrs: np.ndarray, length: int,
+             deadline: float) -> int:
+        """READ `length` bytes from each remote_addrs[i] of the producer known as `key` (its address)
+        with agent metadata `meta` into local_addrs[i]; poll until done or `deadline`."""
+        remote_addrs = np.asarray(remote_addrs, dtype=np.uint64)
+        local_addrs = np.asarray(local_addrs, dtype=np.uint64)
+        n = len(local_addrs)
+        if n != len(remote_addrs) or n == 0 or length <= 0:
+            raise TransferError(FailureCause.PROTOCOL,
+                                f"NIXL read of {len(remote_addrs)} remote and {n} local blocks of {length} B")
+        if not meta:
+            raise TransferError(FailureCause.PROTOCOL, f"producer {key} sent no NIXL agent metadata")
+        self._check_local(local_addrs, length)
+        remote_name = self._peer(key, meta)
+        what = f"NIXL READ of {n} blocks ({n * length} B) from producer {key} (agent {remote_name})"
+        agent = self._agent
+        handles: list[Any] = []
+        xfer = None
+        state = "NEW"
+        try:
+            try:
+                loc = self._track(agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descs(local_addrs, length), "DRAM"))
+                handles.append(loc)
+                rem = self._track(agent.prep_xfer_dlist(remote_name, _descs(remote_addrs, length), "DRAM"))
+                handles.append(rem)
+                idx = np.arange(n, dtype=np.int32)
+                xfer = self._track(agent.make_prepped_xfer("READ", loc, idx, rem, idx))
+            except TransferError:
+                raise
+            except Exception as exc:
+                # NOT_FOUND here: a remote range outside the producer's registered arena, or an unknown agent
+                raise TransferError(_cause_of(exc), f"{what}: preparing descriptors failed: {_describe(exc)}") from None
+            try:
+                state = agent.transfer(xfer)
+                backoff = Backoff()
+                while state == "PROC":
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TransferError(FailureCause.TIMEOUT, f"{what} not done before the deadline")
+                    time.sleep(min(backoff.next(), left))
+                    state = agent.check_xfer_state(xfer)
+            except TransferError:
+                self.forget(key)
+                raise
+            except Exception as exc:
+                self.forget(key)
+                raise TransferError(_cause_of(exc), f"{what} failed: {_describe(exc)}") from None
+            if state != "DONE":
+                self.forget(key)  # ERR: the connection is suspect; reload the agent next time
+                raise TransferError(FailureCause.PEER_UNREACHABLE, f"{what} ended in state {state}")
+            with self._lock:
+                self.reads += 1
+            return n * length
+        finally:
+            if xfer is not None and not self._release(xfer, active=state == "PROC"):
+                with self._lock:  # the READ may still be running: its descriptor lists stay too
+                    self._stuck.extend(reversed(handles))
+            else:
+                for h in reversed(handles):
+                    self._release(h)
+
+    def _track(self, handle: Any) -> Any:
+        with self._lock:
+            self.open_handles += 1
+        return handle
+
+    def _release(self, handle: Any, active: bool = False) -> bool:
+        try:
+            handle.release()  # an active transfer is cancelled first
+        except Exception as exc:
+            # NIXL could not cancel: the handle (and its buffers) must stay alive; retried later.
+            logger.warning("NIXL: releasing %s failed (%s); retrying at the next read", handle, _describe(exc))
+            with self._lock:
+                self._stuck.append(handle)
+            return False
+        with self._lock:
+            self.open_handles -= 1
+            retry = bool(self._stuck) and not active
+        if retry:
+            self._retry_stuck()
+        return True
+
+    def _retry_stuck(self) -> None:
+        """Release handles NIXL refused earlier, in order (a transfer before its descriptor lists);
+        stop at the first that is still refused."""
+        with self._lock:
+            stuck, self._stuck = self._stuck, []
+        for i, h in enumerate(stuck):
+            try:
+                h.release()
+            except Exception:
+                with self._lock:
+                    self._stuck[:0] = stuck[i:]
+                return
+            with self._lock:
+                self.open_handles -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            for key in list(self._peers):
+                self._remove_locked(key)
+        self._retry_stuck()
+        with self._lock:
+            self._closed = True
+            for reg in self._regs.values():
+                try:
+                    self._agent.deregister_memory(reg)
+                except Exception as exc:
+                    logger.warning("NIXL consumer %s: deregistration failed: %s", self.name, _describe(exc))
+            self._regs.clear()
+            if self._stuck:
+                logger.warning("NIXL consumer %s: %d transfer handles could not be released", self.name,
+                               len(self._stuck))
+            self._agent = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(FailureCause.PROTOCOL, f"NIXL consumer agent {self.name!r} is closed")
+
+
+def _descs(addrs: np.ndarray, length: int) -> np.ndarray:
+    d = np.zeros((len(addrs), 3), dtype=np.uint64)
+    d[:, 0] = addrs
+    d[:, 1] = length
+    return d
+
+
+def _address(view: memoryview, length: int) -> int:
+    if len(view) != length:
+        raise TransferError(FailureCause.LAYOUT_MISMATCH, f"destination blocks differ in size ({len(view)} vs {length})")
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        return "%s:%s" % sock.getpeername()[:2]
+    except OSError:
+        return "?"

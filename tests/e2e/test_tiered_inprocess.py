@@ -1,0 +1,138 @@
+"""TieredConnector end to end on a real in-process vLLM engine (kv_both: prefill leg, then
+decode leg pulling over the real transport from the engine's own store server)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvconnectors.testing.compare import assert_same_tokens, first_mismatch
+from kvconnectors.testing.engines import generate_ids, llm_engine
+from kvconnectors.testing.pd import assert_engine_idle, decode, prefill, worker_connector
+from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+
+BLOCK = 32
+LENGTHS = (block_edge_lengths(BLOCK) * 4)[:20]   # under a block, exactly one, many: 20 prompts
+MAX_TOKENS = 10
+
+
+def tiered(transport: str = "tcp", policy: str = "fail", **extra) -> dict:
+    return {"kv_connector": "TieredConnector", "kv_connector_module_path": "kvconnectors.tiered",
+            "kv_role": "kv_both", "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": {"transport": transport, "dram_bytes": "64m", **extra}}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return token_prompts(LENGTHS, seed=7)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model: str, prompts: list[list[int]]) -> list[list[int]]:
+    with llm_engine(tiny_model) as llm:
+        return generate_ids(llm, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_handoff_equals_colocated(tiny_model, prompts, colocated, transport) -> None:
+    with llm_engine(tiny_model, kv_transfer_config=tiered(transport)) as llm:
+        tickets = prefill(llm, prompts)
+        assert all(t and t.get("do_remote_prefill") for t in tickets), tickets[:2]
+        store = worker_connector().connector_worker.store
+        # The producer holds no engine blocks once staged; the store serves every prompt.
+        assert_engine_idle(llm)
+        assert store.usage()["entries"] == len(prompts), store.usage()
+        outs = decode(llm, prompts, tickets, MAX_TOKENS)
+        assert_same_tokens(colocated, [list(o.outputs[0].token_ids) for o in outs])
+        assert_engine_idle(llm)
+        assert store.usage()["entries"] == 0, f"store not empty after release: {store.usage()}"
+        stats = worker_connector().connector_worker.totals.data
+        assert stats["transfers"] == len(prompts) and not stats["failures"], stats
+
+
+def test_corrupted_transfer_changes_output(tiny_model, prompts, colocated) -> None:
+    """Negative control: bytes flipped in transit, checksums off -> the decode output changes."""
+    cfg = tiered(checksum=False, fault_injection=[{"action": "corrupt", "on": "read"}])
+    with llm_engine(tiny_model, kv_transfer_config=cfg) as llm:
+        tickets = prefill(llm, prompts)
+        outs = decode(llm, prompts, tickets, MAX_TOKENS)
+    decoded = [list(o.outputs[0].token_ids) for o in outs]
+    changed = [i for i in range(len(prompts)) if first_mismatch([colocated[i]], [decoded[i]])]
+    multi_block = [i for i, n in enumerate(LENGTHS) if n > 2 * BLOCK]
+    assert set(multi_block) <= set(changed), (
+        f"corrupted KV left prompts {sorted(set(multi_block) - set(changed))} unchanged: the test "
+        "could not catch a broken transfer")
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_checksum_catches_corruption(tiny_model, prompts, colocated, policy) -> None:
+    cfg = tiered(policy=policy, fault_injection=[{"action": "corrupt", "on": "read", "nth": 3}])
+    with llm_engine(tiny_model, kv_transfer_config=cfg) as llm:
+        tickets = prefill(llm, prompts)
+        outs = decode(llm, prompts, tickets, MAX_TOKENS)
+        failures = worker_connector().connector_worker.totals.data["failures"]
+        assert failures == {"checksum_mismatch": 1}, failures
+        assert_engine_idle(llm)
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    decoded = [list(o.outputs[0].token_ids) for o in outs]
+    if policy == "fail":
+        assert reasons.count("error") == 1, reasons
+        ok = [i for i, r in enumerate(reasons) if r != "error"]
+        assert_same_tokens([colocated[i] for i in ok], [decoded[i] for i in ok])
+    else:
+        assert "error" not in reasons
+        assert_same_tokens(colocated, decoded)
+
+
+def test_unreachable_producer_fails_fast_and_engine_keeps_serving(tiny_model, prompts, colocated) -> None:
+    with llm_engine(tiny_model, kv_transfer_config=tiered(connect_timeout_s=2.0)) as llm:
+        tickets = prefill(llm, prompts[:4])
+        dead = [dict(t, kvc=dict(t["kvc"], addrs=[["127.0.0.1", 9]])) for t in tickets[:2]]  # port 9: closed
+        start = time.monotonic()
+        outs = decode(llm, prompts[:4], dead + tickets[2:], MAX_TOKENS)
+        assert time.monotonic() - start < 30
+        assert [o.outputs[0].finish_reason for o in outs[:2]] == ["error", "error"]
+        assert_same_tokens(colocated[2:4], [list(o.outputs[0].token_ids) for o in outs[2:]])
+        failures = worker_connector().connector_worker.totals.data["failures"]
+        assert failures == {"peer_unreachable": 2}, failures
+        assert_engine_idle(llm)
+
+
+def test_expired_lease_is_a_typed_failure(tiny_model, prompts) -> None:
+    with llm_engine(tiny_model, kv_transfer_config=tiered(lease_ttl_s=1.0, heartbeat_interval_s=0.5)) as llm:
+        tickets = prefill(llm, prompts[:3])
+        time.sleep(2.5)  # nobody renews: the entries expire
+        store = worker_connector().connector_worker.store
+        assert store.usage()["entries"] == 0, store.usage()
+        outs = decode(llm, prompts[:3], tickets, MAX_TOKENS)
+        assert [o.outputs[0].finish_reason for o in outs] == ["error"] * 3
+        failures = worker_connector().connector_worker.totals.data["failures"]
+        assert failures == {"lease_expired": 3}, failures
+        assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize("mutate, cause", [
+    (lambda t: dict(t, kvc={k: v for k, v in t["kvc"].items() if k != "fingerprint"}), "bad_params"),
+    (lambda t: dict(t, kvc=dict(t["kvc"], num_blocks="many")), "bad_params"),
+    (lambda t: dict(t, kvc=dict(t["kvc"], num_tokens=10**12)), "bad_params"),
+    (lambda t: dict(t, kvc=dict(t["kvc"], prompt_hash="0" * 16)), "bad_params"),
+    (lambda t: dict(t, kvc=dict(t["kvc"], fingerprint="feedfacefeedface")), "layout_mismatch"),
+    (lambda t: dict(t, kvc=dict(t["kvc"], transfer_id="no-such-transfer")), "unknown_transfer"),
+], ids=["missing-field", "wrong-type", "huge-number", "other-prompt", "wrong-layout", "unknown-id"])
+def test_malformed_ticket_fails_alone(tiny_model, prompts, colocated, mutate, cause) -> None:
+    with llm_engine(tiny_model, kv_transfer_config=tiered()) as llm:
+        tickets = prefill(llm, prompts[3:6])
+        bad = mutate(tickets[0])
+        outs = decode(llm, prompts[3:6], [bad] + tickets[1:], MAX_TOKENS)
+        assert outs[0].outputs[0].finish_reason == "error"
+        assert_same_tokens(colocated[4:6], [list(o.outputs[0].token_ids) for o in outs[1:]])
+        w = worker_connector().connector_worker
+        assert w.totals.data["failures"] == {cause: 1}, w.totals.data["failures"]
+        assert_engine_idle(llm)
+        # The good ticket behind the bad one was never pulled: its entry waits for expiry.
+        assert w.store.usage()["entries"] == 1, w.store.usage()
+        w.store.release(tickets[0]["kvc"]["transfer_id"])
+        assert w.store.usage()["entries"] == 0, w.store.usage()
