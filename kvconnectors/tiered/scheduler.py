@@ -68,7 +68,7 @@ class TieredConnectorScheduler:
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         ranks = sorted(metadata)
         metas = [metadata[r] for r in ranks]
-        if not all(isinstance(m, TieredHandshakeMetadata) for m in metas):
+        if not metas or not all(isinstance(m, TieredHandshakeMetadata) for m in metas):
             return
         self._addrs = [kvparams.PeerAddress(self.config.advertise_host or m.host, m.port) for m in metas]
         self._fingerprint = metas[0].fingerprint

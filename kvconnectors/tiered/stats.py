@@ -49,6 +49,12 @@ class TieredStats(KVConnectorStats):
         self.data["transfer_seconds"].extend(other.data.get("transfer_seconds", []))
         for cause, n in other.data.get("failures", {}).items():
             self.data["failures"][cause] = self.data["failures"].get(cause, 0) + n
+        theirs = other.data.get("store")
+        if theirs:  # tensor-parallel ranks each hold a shard: store numbers add up
+            mine = self.data.setdefault("store", {"gauges": {}, "deltas": {}})
+            for part in ("gauges", "deltas"):
+                for k, v in theirs.get(part, {}).items():
+                    mine[part][k] = mine[part].get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -64,10 +70,16 @@ class TieredStats(KVConnectorStats):
         }
         for cause, n in sorted(self.data["failures"].items()):
             out[f"Failed: {cause}"] = n
+        gauges = (self.data.get("store") or {}).get("gauges")
+        if gauges:
+            out["Store entries"] = gauges["entries"]
+            out["Store DRAM MB"] = round(gauges["dram_bytes"] / 1e6, 3)
+            out["Store NVMe MB"] = round(gauges["nvme_bytes"] / 1e6, 3)
         return out
 
     def is_empty(self) -> bool:
-        return not (self.data["transfers"] or self.data["bytes_staged"] or self.data["failures"])
+        return not (self.data["transfers"] or self.data["bytes_staged"] or self.data["failures"]
+                    or self.data.get("store"))
 
     def clone_and_reset(self) -> "TieredStats":
         out = TieredStats(data=self.data)

@@ -58,6 +58,7 @@ class TieredConnectorWorker:
         self.store: TieredStore | None = None
         self.server: StoreServer | None = None
         self._reaper: Reaper | None = None
+        self._store_last: tuple[dict, dict] = ({}, {})
         # producer staging state (forward thread only)
         self._checksums: dict[str, np.ndarray] = {}
         self._staging_failed: dict[str, TransferError] = {}
@@ -272,8 +273,27 @@ class TieredConnectorWorker:
         return done, failed
 
     def get_stats(self) -> TieredStats | None:
+        store = self._store_report()
         with self._lock:
+            if store is not None:
+                self.stats.data["store"] = store
             return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def _store_report(self) -> dict | None:
+        """Store gauges and counter deltas since the last report; None when nothing changed."""
+        if self.store is None:
+            return None
+        counters = self.store.stats.snapshot()
+        usage = self.store.usage()
+        gauges = {"entries": usage["entries"], "dram_bytes": usage["dram"]["used_bytes"],
+                  "nvme_bytes": usage["nvme"]["used_bytes"]}
+        last_counters, last_gauges = self._store_last
+        deltas = {k: v - last_counters.get(k, 0) for k, v in counters.items() if isinstance(v, (int, float))}
+        deltas = {k: v for k, v in deltas.items() if v}
+        if not deltas and gauges == last_gauges:
+            return None
+        self._store_last = (counters, gauges)
+        return {"gauges": gauges, "deltas": deltas}
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

@@ -111,7 +111,8 @@ class StoreClient:
         producer stops serving this read and keeps the entry (a retry can still have it)."""
         try:
             if not reply.offsets or len(reply.offsets) != len(dest):
-                raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {self.address} without one offset per block")
+                raise TransferError(FailureCause.PROTOCOL,
+                                    f"nixl reply from {self.address} without one offset per block")
             if not reply.nixl_agent_meta or reply.nixl_base_address <= 0:
                 raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {self.address} without agent metadata")
             nbytes = nixl.read_blocks(self.address, reply.nixl_agent_meta, reply.nixl_base_address, reply.offsets,
@@ -179,6 +180,10 @@ class StoreClient:
         wire.send_msg(self.sock, wire.Release(transfer_id=transfer_id))
         self._expect(wire.Ack, deadline)
 
+    def status(self, deadline: float) -> wire.StatusReply:
+        wire.send_msg(self.sock, wire.Status())
+        return self._expect(wire.StatusReply, deadline)
+
 
 def block_checksum(view) -> int:
     return xxhash.xxh3_64_intdigest(view)
@@ -191,3 +196,13 @@ def verify_checksums(expected: Sequence[int], dest: Sequence[memoryview], transf
             raise TransferError(FailureCause.CHECKSUM_MISMATCH, (
                 f"transfer {transfer_id!r}: block {i} of {len(dest)} has checksum {got:016x}, "
                 f"producer staged {want:016x}"))
+
+
+def store_status(host: str, port: int, *, secret: bytes | None = None, timeout_s: float = 5.0) -> wire.StatusReply:
+    """Occupancy of a TieredConnector store server (entries, bytes per tier, connections)."""
+    from kvconnectors.transport.auth import load_secret
+
+    secret = secret if secret is not None else load_secret()
+    with StoreClient(host, port, compat=wire.compat_hash("tiered"), secret=secret,
+                     connect_timeout_s=timeout_s) as client:
+        return client.status(time.monotonic() + timeout_s)

@@ -468,7 +468,8 @@ def _descs(addrs: np.ndarray, length: int) -> np.ndarray:
 
 def _address(view: memoryview, length: int) -> int:
     if len(view) != length:
-        raise TransferError(FailureCause.LAYOUT_MISMATCH, f"destination blocks differ in size ({len(view)} vs {length})")
+        raise TransferError(FailureCause.LAYOUT_MISMATCH,
+                            f"destination blocks differ in size ({len(view)} vs {length})")
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 

@@ -185,6 +185,8 @@ class StoreServer:
                 self._renew(sock, msg)
             elif isinstance(msg, wire.Release):
                 self._release(sock, msg)
+            elif isinstance(msg, wire.Status):
+                self._status(sock)
             else:
                 raise TransferError(FailureCause.PROTOCOL, f"unexpected message {type(msg).__name__}")
         except TransferError as exc:
@@ -335,6 +337,14 @@ class StoreServer:
             except TransferError as exc:
                 missing[tid] = exc.cause.value
         wire.send_msg(sock, wire.RenewReply(remaining=remaining, missing=missing))
+
+    def _status(self, sock: socket.socket) -> None:
+        usage = self.store.usage()
+        counters = {k: int(v) for k, v in self.store.stats.snapshot().items() if isinstance(v, (int, float))}
+        wire.send_msg(sock, wire.StatusReply(
+            entries=usage["entries"], dram_used_bytes=usage["dram"]["used_bytes"],
+            nvme_used_bytes=usage["nvme"]["used_bytes"], pinned=usage["pinned"],
+            active_connections=self.active_connections - 1, counters=counters))  # minus this one
 
     def _release(self, sock: socket.socket, msg: wire.Release) -> None:
         self.store.release(msg.transfer_id)  # no-op for an entry that already ended

@@ -88,7 +88,20 @@ class Ack(msgspec.Struct, tag=True):
     message: str = ""
 
 
-Message = Union[Hello, Welcome, Proof, Read, ReadReply, Renew, RenewReply, Release, Ack]
+class Status(msgspec.Struct, tag=True):
+    """Ask the server for its store's occupancy (operators, leak checks in tests)."""
+
+
+class StatusReply(msgspec.Struct, tag=True):
+    entries: int
+    dram_used_bytes: int
+    nvme_used_bytes: int
+    pinned: int
+    active_connections: int
+    counters: dict[str, int]
+
+
+Message = Union[Hello, Welcome, Proof, Read, ReadReply, Renew, RenewReply, Release, Ack, Status, StatusReply]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

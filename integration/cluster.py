@@ -1,0 +1,119 @@
+"""A prefill/decode pool as a Python object: the launcher's servers plus an in-process proxy.
+
+    with PDCluster(model, connector="TieredConnector", transport="tcp") as pd:
+        pd.complete("hello", max_tokens=8)      # through the proxy
+        pd.decode[0].metrics()                   # any instance directly
+
+Used by the demo, the end-to-end tests and the benchmarks; `kvconnectors serve-pd` is the
+same thing for a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from integration import launcher
+from integration import proxy as proxy_mod
+from kvconnectors.serving import VllmServer, free_port, stop_all
+
+log = logging.getLogger(__name__)
+
+
+def launcher_args(model: str, **options: Any) -> argparse.Namespace:
+    """The launcher's argument namespace, built through its own parser (so defaults match)."""
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    argv = ["--model", model, "--quiet"]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, value if isinstance(value, str) else str(value)]
+    return parser.parse_args(argv)
+
+
+class PDCluster:
+    def __init__(self, model: str, *, connector: str = "TieredConnector", transport: str | None = None,
+                 prefill: int = 1, decode: int = 1, kv_extra: dict | None = None, vllm_args: str = "",
+                 proxy_args: Sequence[str] = (), log_dir: Path | None = None, health_timeout: float = 300.0):
+        import json
+
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvc-cluster-"))
+        self.args = launcher_args(
+            model, connector=connector, transport=transport, prefill=prefill, decode=decode,
+            kv_transfer_config_extra=json.dumps(kv_extra) if kv_extra else None, vllm_args=vllm_args,
+            health_timeout=health_timeout, proxy_port=free_port(), log_dir=str(self.log_dir))
+        launcher.validate(self.args)
+        self.plans = launcher.plan_instances(self.args)
+        self.servers: list[VllmServer] = [launcher.build_server(p, self.args, self.log_dir) for p in self.plans]
+        self.proxy_ns = launcher.parse_proxy_argv([*launcher.proxy_argv(self.plans, self.args), *proxy_args])
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._proxy: proxy_mod.PDProxy | None = None
+        self.proxy_url = ""
+
+    @property
+    def prefill(self) -> list[VllmServer]:
+        return [s for s, p in zip(self.servers, self.plans) if p.role == "prefill"]
+
+    @property
+    def decode(self) -> list[VllmServer]:
+        return [s for s, p in zip(self.servers, self.plans) if p.role == "decode"]
+
+    def start(self) -> "PDCluster":
+        try:
+            for s in self.servers:
+                s.start(wait=False)
+            for s in self.servers:
+                s.wait_healthy()
+            self._start_proxy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_proxy(self) -> None:
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                self._proxy = proxy_mod.PDProxy(proxy_mod.config_from_args(self.proxy_ns))
+                port = loop.run_until_complete(self._proxy.start(self.proxy_ns.host, self.proxy_ns.port))
+                self.proxy_url = f"http://{self.proxy_ns.host}:{port}"
+            except BaseException as exc:  # surfaced to start()
+                errors.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._proxy.stop())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="kvc-proxy", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout=60) or errors:
+            raise RuntimeError(f"proxy did not start: {errors[0] if errors else 'timeout'}")
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._loop = self._thread = None
+        stop_all(self.servers)
+
+    def __enter__(self) -> "PDCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,81 @@
+"""TieredConnector between two live `vllm serve` processes (one per core) behind the P/D proxy."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from integration.cluster import PDCluster
+from kvconnectors.serving import complete
+from kvconnectors.transport.client import store_status
+from kvconnectors.testing.compare import assert_same_tokens, first_mismatch
+from kvconnectors.testing.engines import generate_ids, llm_engine
+from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+BLOCK = 32
+LENGTHS = (block_edge_lengths(BLOCK) * 4)[:20]   # under a block, exactly a block, many blocks
+MAX_TOKENS = 12
+CONCURRENCY = 8
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return token_prompts(LENGTHS, seed=11)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model: str, prompts: list[list[int]]) -> list[list[int]]:
+    with llm_engine(tiny_model) as llm:
+        return generate_ids(llm, prompts, MAX_TOKENS)
+
+
+def run_workload(pd: PDCluster, model_name: str, prompts: list[list[int]]) -> list[dict]:
+    def one(p: list[int]) -> dict:
+        return complete(pd.proxy_url, p, model=model_name, max_tokens=MAX_TOKENS, timeout=120)
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        return list(pool.map(one, prompts))
+
+
+def token_ids(resp: dict) -> list[int]:
+    return list(resp["choices"][0]["token_ids"])
+
+
+def assert_instances_idle(pd: PDCluster) -> None:
+    for server in pd.servers:
+        m = server.metrics()
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            values = [v for _, v in m.get(name, [])]
+            assert values and all(v == 0 for v in values), f"{server.name}: {name} = {values} after the run"
+
+
+def producer_store(pd: PDCluster):
+    host, port = pd.plans[0].kv_addr.rsplit(":", 1)
+    return store_status(host, int(port))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "nixl"])
+def test_pd_servers_equal_colocated(tiny_model, prompts, colocated, transport, tmp_path) -> None:
+    with PDCluster(tiny_model, transport=transport, log_dir=tmp_path) as pd:
+        name = pd.prefill[0].served_model_name
+        outs = run_workload(pd, name, prompts)
+        assert_same_tokens(colocated, [token_ids(r) for r in outs])
+        assert_instances_idle(pd)
+        status = producer_store(pd)
+        assert status.entries == 0 and status.dram_used_bytes == 0, f"store not empty after release: {status}"
+        assert status.counters["releases"] == len(prompts), status.counters
+        assert status.active_connections == 0, f"{status.active_connections} consumer connections left open"
+        moved = pd.decode[0].metrics().get("kvconnectors:transfer_bytes_total", [])
+        assert sum(v for _, v in moved) > 0, "no KV bytes were pulled: the decode recomputed the prompts"
+
+
+def test_corrupted_transfer_changes_output_between_servers(tiny_model, prompts, colocated, tmp_path) -> None:
+    kv = {"kv_connector_extra_config": {"checksum": False, "fault_injection": [{"action": "corrupt"}]}}
+    with PDCluster(tiny_model, transport="tcp", kv_extra=kv, log_dir=tmp_path) as pd:
+        outs = run_workload(pd, pd.prefill[0].served_model_name, prompts)
+    decoded = [token_ids(r) for r in outs]
+    long = [i for i, n in enumerate(LENGTHS) if n > 2 * BLOCK]
+    unchanged = [i for i in long if first_mismatch([colocated[i]], [decoded[i]]) is None]
+    assert not unchanged, f"prompts {unchanged} decoded identically from corrupted KV"
