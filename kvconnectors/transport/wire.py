@@ -10,7 +10,8 @@ Version history:
       (arena offsets travel in `offsets`, as for shm); the consumer answers Release (done) or
       Ack(ok=False) (its READ failed) exactly like the shm path. Additive, but the version is
       bumped so a v1 peer is refused at the handshake with both versions named instead of
-      failing later on an unknown data_path.
+      failing later on an unknown data_path. Status/StatusReply: store occupancy for operators
+      and leak checks.
 """
 
 from __future__ import annotations
