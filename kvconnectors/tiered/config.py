@@ -63,11 +63,12 @@ class TieredConfig:
             raise ConfigError("heartbeat_interval_s", self.heartbeat_interval_s,
                               f"must be shorter than lease_ttl_s ({self.lease_ttl_s}), or leases lapse between beats")
         self.dram_bytes = _size("dram_bytes", self.dram_bytes)
+        raw_nvme = self.nvme_bytes
         self.nvme_bytes = _size("nvme_bytes", self.nvme_bytes, allow_zero=True)
         if not isinstance(self.nvme_dirs, list) or not all(isinstance(d, str) and d for d in self.nvme_dirs):
             raise ConfigError("nvme_dirs", self.nvme_dirs, "must be a list of directory paths")
         if self.nvme_bytes and not self.nvme_dirs:
-            raise ConfigError("nvme_bytes", self.nvme_bytes, "is set but nvme_dirs is empty")
+            raise ConfigError("nvme_bytes", raw_nvme, "is set but nvme_dirs is empty")
         if not isinstance(self.checksum, bool):
             raise ConfigError("checksum", self.checksum, "must be true or false")
         if isinstance(self.max_concurrent_loads, bool) or not isinstance(self.max_concurrent_loads, int) \

@@ -126,6 +126,18 @@ class TieredConnector(KVConnectorBase_V1):
 
         return TieredPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    # vLLM 0.33: sleep mode discards and re-allocates the KV caches under the connector's feet;
+    # our registered block views would dangle, so decline it clearly at config time.
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        raise RuntimeError("TieredConnector does not support vLLM sleep mode")
+
+    def restore_kv_caches(self) -> None:
+        raise RuntimeError("TieredConnector does not support vLLM sleep mode")
+
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()

@@ -56,7 +56,7 @@ class StoreClient:
 
     def _expect(self, kind: type, deadline: float):
         msg = wire.recv_msg(self.sock, deadline)
-        if isinstance(msg, kind) and getattr(msg, "ok", True):
+        if isinstance(msg, kind) and (kind is wire.Welcome or getattr(msg, "ok", True)):
             return msg
         if isinstance(msg, (wire.Ack, wire.ReadReply)) and not msg.ok:
             raise TransferError(FailureCause(msg.cause or "protocol"), f"producer {self.address}: {msg.message}")

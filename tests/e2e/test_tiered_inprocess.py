@@ -136,3 +136,17 @@ def test_malformed_ticket_fails_alone(tiny_model, prompts, colocated, mutate, ca
         assert w.store.usage()["entries"] == 1, w.store.usage()
         w.store.release(tickets[0]["kvc"]["transfer_id"])
         assert w.store.usage()["entries"] == 0, w.store.usage()
+
+
+def test_loadable_by_name_through_the_plugin_entry_point(tiny_model, prompts, colocated) -> None:
+    """After `pip install`, no kv_connector_module_path is needed (vllm.general_plugins)."""
+    from importlib.metadata import entry_points
+
+    assert any(ep.value == "kvconnectors.registry:register_with_vllm"
+               for ep in entry_points(group="vllm.general_plugins")), "entry point not installed"
+    cfg = {"kv_connector": "TieredConnector", "kv_role": "kv_both"}
+    with llm_engine(tiny_model, kv_transfer_config=cfg) as llm:
+        tickets = prefill(llm, prompts[:4])
+        outs = decode(llm, prompts[:4], tickets, MAX_TOKENS)
+        assert type(worker_connector()).__name__ == "TieredConnector"
+    assert_same_tokens(colocated[:4], [list(o.outputs[0].token_ids) for o in outs])
