@@ -37,6 +37,9 @@ class TieredConfig:
     secret_file: str | None = None
     max_concurrent_loads: int = 4
     instance_name: str = "kvc"
+    failure_policy: str | None = None   # fail | recompute | retry; None = vLLM's kv_load_failure_policy
+    retries: int = 3                    # attempts after the first, for failure_policy "retry"
+    retry_backoff_s: float = 0.1        # first back-off, doubled each attempt, bounded by load_timeout_s
     fault_injection: list[dict] | None = None  # tests and chaos runs only; see transport/faults.py
 
     def __post_init__(self) -> None:
@@ -75,9 +78,22 @@ class TieredConfig:
                 or self.max_concurrent_loads < 1:
             raise ConfigError("max_concurrent_loads", self.max_concurrent_loads, "must be an integer >= 1")
 
+        if self.failure_policy is not None and self.failure_policy not in FAILURE_POLICIES:
+            raise ConfigError("failure_policy", self.failure_policy, f"must be one of {', '.join(FAILURE_POLICIES)}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or not 0 <= self.retries <= 10:
+            raise ConfigError("retries", self.retries, "must be an integer in [0, 10]")
+        self.retry_backoff_s = _seconds("retry_backoff_s", self.retry_backoff_s)
         from kvconnectors.transport.faults import FaultPlan
 
         self.fault_plan = FaultPlan.from_config(self.fault_injection)
+
+    def check_engine_policy(self, engine_policy: str) -> None:
+        """vLLM applies fail/recompute engine-wide (`kv_load_failure_policy`); ours must agree."""
+        if self.failure_policy in ("fail", "recompute") and self.failure_policy != engine_policy:
+            raise ConfigError("failure_policy", self.failure_policy, (
+                f"differs from vLLM's kv_load_failure_policy={engine_policy!r}, which decides what a failed "
+                f"load does; set kv_load_failure_policy to {self.failure_policy!r} (top level of "
+                "--kv-transfer-config), or use failure_policy 'retry' to retry before it applies"))
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "TieredConfig":

@@ -44,6 +44,7 @@ class TieredConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         config = TieredConfig.from_extra(ktc.kv_connector_extra_config)
+        config.check_engine_policy(getattr(ktc, "kv_load_failure_policy", "fail"))
         engine_id = str(ktc.engine_id)
         self.connector_scheduler: TieredConnectorScheduler | None = None
         self.connector_worker: TieredConnectorWorker | None = None

@@ -33,6 +33,7 @@ class RecvSpec:
     first_block: int
     error_cause: FailureCause | None = None  # params already found bad by the scheduler
     error_message: str = ""
+    retries: int = 0          # extra attempts for transient failures (failure_policy "retry")
 
 
 @dataclass

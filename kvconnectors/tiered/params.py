@@ -95,3 +95,26 @@ def parse(params: dict[str, Any], prompt_token_ids: list[int] | None, block_size
         if prompt_hash(prompt_token_ids) != p.prompt_hash:
             raise bad("prompt_hash", "differs from this request's prompt: the KV belongs to another prompt")
     return p
+
+
+def retries_for(params: dict[str, Any], policy: str | None, retries: int, engine_policy: str) -> int:
+    """Extra pull attempts for this request: the connector's policy, overridable per request with
+    kv_transfer_params {"failure_policy": "retry"|"fail"|"recompute", "retries": N}.
+
+    fail/recompute themselves are applied by vLLM engine-wide, so a request may only name the
+    engine's own choice (or "retry"); anything else is refused rather than silently ignored.
+    """
+    req_policy = params.get("failure_policy", policy)
+    if req_policy not in (None, "retry", "fail", "recompute"):
+        raise TransferError(FailureCause.BAD_PARAMS, f"kv_transfer_params.failure_policy={req_policy!r}: "
+                                                     "must be retry, fail or recompute")
+    if req_policy in ("fail", "recompute") and req_policy != engine_policy:
+        raise TransferError(FailureCause.BAD_PARAMS, (
+            f"kv_transfer_params.failure_policy={req_policy!r}: this engine applies "
+            f"kv_load_failure_policy={engine_policy!r} to failed loads"))
+    if req_policy != "retry":
+        return 0
+    n = params.get("retries", retries)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 10:
+        raise TransferError(FailureCause.BAD_PARAMS, f"kv_transfer_params.retries={n!r}: must be an integer in [0, 10]")
+    return n

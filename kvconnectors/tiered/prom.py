@@ -49,6 +49,8 @@ class TieredPromMetrics(KVConnectorPromMetrics):
         self.transfer_time = per_engine(self._histogram_cls(
             name="kvconnectors:transfer_seconds", buckets=_SECONDS, labelnames=labelnames,
             documentation="Duration of one request's KV pull, connect to last byte."))
+        self.retries = per_engine(c(name="kvconnectors:transfer_retries", labelnames=labelnames,
+                                    documentation="KV pulls retried after a transient fault (failure_policy retry)."))
         self.failures = c(name="kvconnectors:transfer_failures", labelnames=[*labelnames, "cause"],
                           documentation="KV transfer and staging failures by cause.")
         self.store_counters = {
@@ -66,6 +68,8 @@ class TieredPromMetrics(KVConnectorPromMetrics):
             self.transfer_bytes[engine_idx].inc(data["bytes_received"])
         if data.get("bytes_staged"):
             self.staged_bytes[engine_idx].inc(data["bytes_staged"])
+        if data.get("retries"):
+            self.retries[engine_idx].inc(data["retries"])
         for seconds in data.get("transfer_seconds", []):
             self.transfer_time[engine_idx].observe(seconds)
         labels = self.per_engine_labelvalues[engine_idx]

@@ -47,6 +47,7 @@ class TieredConnectorScheduler:
     def __init__(self, vllm_config: Any, config: TieredConfig, engine_id: str):
         self.config, self.engine_id = config, engine_id
         self.block_size = vllm_config.cache_config.block_size
+        self._engine_policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
         self._addrs: list[kvparams.PeerAddress] = []
         self._fingerprint = ""
         self._shm_path = ""
@@ -121,6 +122,8 @@ class TieredConnectorScheduler:
         spec = RecvSpec(req_id=request.request_id, params=None, block_ids=block_ids, first_block=first_block)
         try:
             spec.params = kvparams.msgspec.to_builtins(kvparams.parse(p, prompt, self.block_size))
+            spec.retries = kvparams.retries_for(p, self.config.failure_policy, self.config.retries,
+                                                self._engine_policy)
         except TransferError as exc:
             spec.error_cause, spec.error_message = exc.cause, str(exc)
         self._recvs.append(spec)

@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-_COUNTERS = ("transfers", "bytes_received", "bytes_staged", "blocks_staged", "staging_failures")
+_COUNTERS = ("transfers", "bytes_received", "bytes_staged", "blocks_staged", "staging_failures", "retries")
 
 
 def _empty() -> dict[str, Any]:
@@ -38,6 +38,9 @@ class TieredStats(KVConnectorStats):
     def record_staged(self, nbytes: int, blocks: int) -> None:
         self.data["bytes_staged"] += nbytes
         self.data["blocks_staged"] += blocks
+
+    def record_retry(self, cause: str) -> None:
+        self.data["retries"] += 1
 
     def record_staging_failure(self, cause: str) -> None:
         self.data["staging_failures"] += 1
@@ -67,6 +70,7 @@ class TieredStats(KVConnectorStats):
             "Avg transfer (ms)": round(1e3 * total_s / len(secs), 3) if secs else 0.0,
             "Throughput (GB/s)": round(self.data["bytes_received"] / total_s / 1e9, 3) if total_s else 0.0,
             "Failed transfers": sum(self.data["failures"].values()),
+            "Retries": self.data["retries"],
         }
         for cause, n in sorted(self.data["failures"].items()):
             out[f"Failed: {cause}"] = n

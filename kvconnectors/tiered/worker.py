@@ -39,6 +39,8 @@ from kvconnectors.transport.server import StoreServer
 
 logger = logging.getLogger(__name__)
 _MAX_FAILURE_MEMORY = 10_000
+TRANSIENT = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT, FailureCause.CHECKSUM_MISMATCH,
+                       FailureCause.PROTOCOL})
 
 
 class TieredConnectorWorker:
@@ -195,7 +197,7 @@ class TieredConnectorWorker:
         start = time.monotonic()
         deadline = start + self.config.load_timeout_s
         try:
-            nbytes = self._pull_into_cache(spec, deadline)
+            nbytes = self._pull_with_retries(spec, deadline)
         except TransferError as exc:
             self._finish(spec.req_id, exc)
         except Exception as exc:  # a bug must fail the request, not strand it
@@ -203,6 +205,27 @@ class TieredConnectorWorker:
             self._finish(spec.req_id, TransferError(FailureCause.PROTOCOL, f"internal error: {exc!r}"))
         else:
             self._finish(spec.req_id, None, nbytes, time.monotonic() - start)
+
+    def _pull_with_retries(self, spec: RecvSpec, deadline: float) -> int:
+        """failure_policy "retry": transient faults (peer gone, timeout, bad bytes, protocol) are
+        tried again with exponential back-off inside the one load deadline; the producer keeps
+        its entry until a pull succeeds, so a retry reads the same bytes."""
+        backoff = self.config.retry_backoff_s
+        for attempt in range(spec.retries + 1):
+            # Each attempt gets an even share of the time left, so a silent peer cannot eat it all.
+            attempt_deadline = time.monotonic() + (deadline - time.monotonic()) / (spec.retries + 1 - attempt)
+            try:
+                return self._pull_into_cache(spec, attempt_deadline)
+            except TransferError as exc:
+                left = deadline - time.monotonic()
+                if attempt == spec.retries or exc.cause not in TRANSIENT or left <= backoff:
+                    raise
+                logger.warning("KV load for %s failed (%s), retry %d/%d in %.2fs", spec.req_id, exc,
+                               attempt + 1, spec.retries, backoff)
+                self._record("record_retry", exc.cause.value)
+                time.sleep(backoff)
+                backoff *= 2
+        raise AssertionError("unreachable")
 
     def _pull_into_cache(self, spec: RecvSpec, deadline: float) -> int:
         if spec.error_cause is not None:

@@ -150,3 +150,33 @@ def test_loadable_by_name_through_the_plugin_entry_point(tiny_model, prompts, co
         outs = decode(llm, prompts[:4], tickets, MAX_TOKENS)
         assert type(worker_connector()).__name__ == "TieredConnector"
     assert_same_tokens(colocated[:4], [list(o.outputs[0].token_ids) for o in outs])
+
+
+@pytest.mark.parametrize("fault", [
+    {"action": "corrupt", "nth": 2},
+    {"action": "disconnect", "nth": 2},
+    {"action": "truncate", "nth": 2},
+    {"action": "drop", "nth": 2},
+], ids=lambda f: f["action"])
+def test_retry_heals_a_transient_fault(tiny_model, prompts, colocated, fault) -> None:
+    cfg = tiered(failure_policy="retry", retries=2, retry_backoff_s=0.05, load_timeout_s=8.0,
+                 fault_injection=[dict(fault, on="read", delay_s=0.1)])
+    with llm_engine(tiny_model, kv_transfer_config=cfg) as llm:
+        tickets = prefill(llm, prompts[:6])
+        outs = decode(llm, prompts[:6], tickets, MAX_TOKENS)
+        totals = worker_connector().connector_worker.totals.data
+        assert totals["retries"] == 1 and not totals["failures"], totals
+        assert_engine_idle(llm)
+        assert worker_connector().connector_worker.store.usage()["entries"] == 0
+    assert_same_tokens(colocated[:6], [list(o.outputs[0].token_ids) for o in outs])
+
+
+def test_per_request_policy_must_match_the_engine(tiny_model, prompts) -> None:
+    with llm_engine(tiny_model, kv_transfer_config=tiered(policy="fail")) as llm:
+        tickets = prefill(llm, prompts[:2])
+        bad = dict(tickets[0], failure_policy="recompute")
+        outs = decode(llm, prompts[:2], [bad, tickets[1]], MAX_TOKENS)
+        assert [o.outputs[0].finish_reason for o in outs] == ["error", "length"]
+        assert worker_connector().connector_worker.totals.data["failures"] == {"bad_params": 1}
+        worker_connector().connector_worker.store.release(tickets[0]["kvc"]["transfer_id"])
+        assert_engine_idle(llm)
