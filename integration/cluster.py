@@ -55,9 +55,7 @@ class PDCluster:
         self.plans = launcher.plan_instances(self.args)
         self.servers: list[VllmServer] = [launcher.build_server(p, self.args, self.log_dir) for p in self.plans]
         self.proxy_ns = launcher.parse_proxy_argv([*launcher.proxy_argv(self.plans, self.args), *proxy_args])
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._proxy: proxy_mod.PDProxy | None = None
+        self._proxy: ProxyThread | None = None
         self.proxy_url = ""
 
     @property
@@ -74,42 +72,17 @@ class PDCluster:
                 s.start(wait=False)
             for s in self.servers:
                 s.wait_healthy()
-            self._start_proxy()
+            self._proxy = ProxyThread(self.proxy_ns).start()
+            self.proxy_url = self._proxy.url
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start_proxy(self) -> None:
-        ready = threading.Event()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            try:
-                self._proxy = proxy_mod.PDProxy(proxy_mod.config_from_args(self.proxy_ns))
-                port = loop.run_until_complete(self._proxy.start(self.proxy_ns.host, self.proxy_ns.port))
-                self.proxy_url = f"http://{self.proxy_ns.host}:{port}"
-            except BaseException as exc:  # surfaced to start()
-                errors.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self._proxy.stop())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="kvc-proxy", daemon=True)
-        self._thread.start()
-        if not ready.wait(timeout=60) or errors:
-            raise RuntimeError(f"proxy did not start: {errors[0] if errors else 'timeout'}")
-
     def stop(self) -> None:
-        if self._loop is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-            self._loop = self._thread = None
+        if self._proxy is not None:
+            self._proxy.stop()
+            self._proxy = None
         stop_all(self.servers)
 
     def __enter__(self) -> "PDCluster":
@@ -117,3 +90,46 @@ class PDCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ProxyThread:
+    """The asyncio P/D proxy running on its own event loop in a background thread."""
+
+    def __init__(self, proxy_ns: argparse.Namespace):
+        self.ns = proxy_ns
+        self.url = ""
+        self.proxy: proxy_mod.PDProxy | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 60.0) -> "ProxyThread":
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                self.proxy = proxy_mod.PDProxy(proxy_mod.config_from_args(self.ns))
+                port = loop.run_until_complete(self.proxy.start(self.ns.host, self.ns.port))
+                self.url = f"http://{self.ns.host}:{port}"
+            except BaseException as exc:  # surfaced to start()
+                errors.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self.proxy.stop())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="kvc-proxy", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout=timeout) or errors:
+            raise RuntimeError(f"proxy did not start: {errors[0] if errors else 'timeout'}")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+        self._loop = self._thread = None

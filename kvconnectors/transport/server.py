@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+
+import numpy as np
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -252,17 +254,20 @@ class StoreServer:
         self._validate_read(msg)
         self._wait_sealed(msg.transfer_id)
         ttl = self.store.renew(msg.transfer_id)  # a consumer pulling keeps the lease alive
+        info = self.store.info(msg.transfer_id)
+        last = msg.first_block + msg.num_blocks
+        if last > info.num_blocks:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, (
+                f"asked for blocks [{msg.first_block}, {last}) of a {info.num_blocks}-block transfer"))
+        sums = (self.store.checksums(msg.transfer_id) or {}).get("xxh3")
+        checksums = None if sums is None else [
+            sums[layer * info.num_blocks + b] for layer in msg.layers for b in range(msg.first_block, last)]
+        if msg.data_path == "inline" and info.nvme_slots:
+            # Spilled: stream it from the tiers through a bounce buffer rather than promote the
+            # whole entry into DRAM first; it is read once and then released.
+            self._send_inline(sock, msg, ttl, checksums, fault, self._layers_from_tiers(msg))
+            return
         with self.store.pinned_views(msg.transfer_id, msg.layers) as pv:
-            last = msg.first_block + msg.num_blocks
-            if last > pv.num_blocks:
-                raise TransferError(FailureCause.LAYOUT_MISMATCH, (
-                    f"asked for blocks [{msg.first_block}, {last}) of a {pv.num_blocks}-block transfer"))
-            sums = self.store.checksums(msg.transfer_id) or {}
-            per_block = sums.get("xxh3")
-            checksums = None
-            if per_block is not None:
-                checksums = [per_block[layer * pv.num_blocks + b] for layer in msg.layers
-                             for b in range(msg.first_block, last)]
             if msg.data_path == "nixl":
                 self._serve_nixl(sock, msg, pv, checksums, ttl)
                 return
@@ -276,17 +281,30 @@ class StoreServer:
                 if isinstance(done, wire.Release):
                     self._release(sock, done)
                 return
-            nbytes = len(msg.layers) * msg.num_blocks * pv.slot_bytes
-            wire.send_msg(sock, wire.ReadReply(ok=True, nbytes=nbytes, checksums=checksums, lease_ttl_s=ttl))
-            blocks = [pv.memoryview(layer, b) for layer in msg.layers for b in range(msg.first_block, last)]
-            action = fault.action if fault is not None else None
+            layers = ([pv.memoryview(layer, b) for b in range(msg.first_block, last)] for layer in msg.layers)
+            self._send_inline(sock, msg, ttl, checksums, fault, layers)
+
+    def _layers_from_tiers(self, msg: wire.Read):
+        slot = self.store.slot_bytes
+        buf = np.empty((msg.num_blocks, slot), dtype=np.uint8)
+        for layer in msg.layers:
+            self.store.read_into(msg.transfer_id, layer, msg.first_block, buf)
+            yield [memoryview(row) for row in buf]  # sent before the next layer overwrites buf
+
+    def _send_inline(self, sock: socket.socket, msg: wire.Read, ttl: float, checksums: list[int] | None,
+                     fault: FaultRule | None, layers) -> None:
+        nbytes = len(msg.layers) * msg.num_blocks * self.store.slot_bytes
+        wire.send_msg(sock, wire.ReadReply(ok=True, nbytes=nbytes, checksums=checksums, lease_ttl_s=ttl))
+        action = fault.action if fault is not None else None
+        sent = 0
+        for blocks in layers:
             if action == "corrupt":
                 blocks = [memoryview(corrupted(b)) for b in blocks]
-            elif action == "truncate":
-                send_all(sock, blocks[:len(blocks) // 2])
+            elif action == "truncate" and sent + sum(len(b) for b in blocks) > nbytes // 2:
                 sock.shutdown(socket.SHUT_RDWR)
                 return
             send_all(sock, blocks)
+            sent += sum(len(b) for b in blocks)
         with self._lock:
             self.counters.bytes_sent += nbytes
             self.counters.reads += 1

@@ -180,3 +180,38 @@ def test_per_request_policy_must_match_the_engine(tiny_model, prompts) -> None:
         assert worker_connector().connector_worker.totals.data["failures"] == {"bad_params": 1}
         worker_connector().connector_worker.store.release(tickets[0]["kvc"]["transfer_id"])
         assert_engine_idle(llm)
+
+
+def test_dram_budget_far_below_the_workload_spills_to_nvme(tiny_model, prompts, colocated, tmp_path) -> None:
+    """A 256 KiB DRAM tier (16 blocks of this model) for ~200 blocks of KV: most staged KV lives on
+    disk; the decode outputs still equal colocated, and the store counts spills and NVMe reads."""
+    nvme = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    cfg = tiered(dram_bytes="256KiB", nvme_dirs=nvme, nvme_bytes="64MiB")
+    with llm_engine(tiny_model, kv_transfer_config=cfg) as llm:
+        tickets = prefill(llm, prompts)
+        store = worker_connector().connector_worker.store
+        usage = store.usage()
+        assert usage["nvme"]["used_bytes"] > 4 * usage["dram"]["capacity_bytes"], usage
+        outs = decode(llm, prompts, tickets, MAX_TOKENS)
+        stats = store.stats.snapshot()
+        assert stats["spills"] > 0 and (stats["restores"] + stats["hits_nvme"]) > 0, stats
+        assert store.usage()["entries"] == 0
+        files = [p for d in nvme for p in __import__("pathlib").Path(d).iterdir()]
+    assert_same_tokens(colocated, [list(o.outputs[0].token_ids) for o in outs])
+    assert not any(p.exists() for p in files), "NVMe extent files left behind after shutdown"
+
+
+def test_store_full_fails_only_what_does_not_fit(tiny_model, prompts, colocated) -> None:
+    """Back-pressure: DRAM for ~2 prompts, no NVMe tier. Staging that does not fit fails with
+    store_full; what was stored is served intact."""
+    with llm_engine(tiny_model, kv_transfer_config=tiered(dram_bytes="640KiB")) as llm:
+        tickets = prefill(llm, prompts)
+        outs = decode(llm, prompts, tickets, MAX_TOKENS)
+        totals = worker_connector().connector_worker.totals.data
+        assert_engine_idle(llm)
+        assert worker_connector().connector_worker.store.usage()["entries"] == 0
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert "error" in reasons and "length" in reasons, reasons
+    assert set(totals["failures"]) <= {"store_full", "staging_store_full"}, totals["failures"]
+    ok = [i for i, r in enumerate(reasons) if r == "length"]
+    assert_same_tokens([colocated[i] for i in ok], [list(outs[i].outputs[0].token_ids) for i in ok])

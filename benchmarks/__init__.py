@@ -1,0 +1,2 @@
+"""kvconnectors benchmarks: `kvconnectors bench transfer` and `kvconnectors bench tiers`
+(also `python -m benchmarks.transfer` / `python -m benchmarks.tiers`)."""

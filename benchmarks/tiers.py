@@ -1,0 +1,439 @@
+"""Tier benchmark: the TieredStore's spill (DRAM -> NVMe) and restore (NVMe -> DRAM) throughput beside
+raw O_DIRECT writes and reads of the same bytes, in the same run, on the same filesystem.
+
+Store side (public API and stats only):
+  fill     create / write each layer / seal entries until the DRAM arena is full (not timed)
+  spill    create as many bytes of new entries again: each create spills the oldest sealed idle
+           entries to NVMe; GB/s = delta spill_bytes / delta spill_seconds (the spill I/O itself)
+  restore  release the new entries (DRAM is free again), drop the NVMe file's page cache, then
+           pinned_views() each spilled entry, which brings it back into DRAM; GB/s = delta
+           restore_bytes / delta restore_seconds. The restored bytes are checked.
+Raw side: the same number of bytes written, then read back cold, with os.pwritev / os.preadv on an
+O_DIRECT file of the same size as the store's extent file, from a page-aligned mmap buffer, in I/Os of
+the store's maximum coalesced I/O size (max_io_bytes), with io_threads I/Os in flight (a thread pool,
+as the store's NVMe tier does).
+
+Cold reads: before each restore / raw read, the files' cached pages are dropped with
+posix_fadvise(POSIX_FADV_DONTNEED) (after fdatasync). With O_DIRECT (the store's default wherever the
+filesystem accepts it) the page cache is bypassed anyway, so this only matters in buffered mode.
+
+Rounds alternate which side goes first (store, raw, store, ...), so drift on a shared box hits both.
+
+Usage:  python -m benchmarks.tiers --bytes 256MiB --rounds 3
+        kvconnectors bench tiers --dir /mnt/nvme0/tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import DEFAULT_OUT, bar_chart, host_info, out_dir, progress, ratio, table, write_json
+from benchmarks.transfer import PRESETS
+
+TARGET = 0.8
+
+
+def _aligned(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    m = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+    a = np.frombuffer(m, dtype=np.uint8, count=nbytes)
+    a[:] = 0  # fault in outside the timing
+    return m, a
+
+
+def drop_cache(path: str) -> None:
+    """Write back and drop the file's cached pages (a no-op for O_DIRECT data, which skips the cache)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class RawFile:
+    """A preallocated file driven like the store drives its extent file: pwritev/preadv of up to
+    `io_bytes` per I/O, `threads` I/Os in flight, O_DIRECT when the filesystem accepts it."""
+
+    def __init__(self, path: str, size: int, io_bytes: int, threads: int, o_direct: object):
+        self.path, self.size, self.io_bytes = path, size, io_bytes
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.posix_fallocate(self.fd, 0, size)
+        self.direct, self.mode_reason = False, "o_direct=false"
+        self.io_fd = self.fd
+        if o_direct is not False and hasattr(os, "O_DIRECT"):
+            try:
+                dfd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+                m, probe = _aligned(mmap.PAGESIZE)
+                try:
+                    os.pwritev(dfd, [probe], 0)
+                    os.preadv(dfd, [probe], 0)
+                finally:
+                    del probe
+                    m.close()
+                self.io_fd, self.direct, self.mode_reason = dfd, True, "O_DIRECT accepted"
+            except OSError as exc:
+                if o_direct is True:
+                    raise
+                self.mode_reason = f"O_DIRECT refused: {exc.strerror}"
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raw-io")
+
+    def io(self, buf: np.ndarray, write: bool) -> float:
+        """Move buf (page-aligned) to/from file offset 0 in io_bytes pieces; returns seconds."""
+        mv = memoryview(buf).cast("B")
+        fn = os.pwritev if write else os.preadv
+
+        def one(off: int, n: int) -> None:
+            done = 0
+            while done < n:
+                k = fn(self.io_fd, [mv[off + done:off + n]], off + done)
+                if k <= 0:
+                    raise OSError(f"{fn.__name__} moved {k} bytes at offset {off + done}")
+                done += k
+
+        t0 = time.perf_counter()
+        futures = [self.pool.submit(one, off, min(self.io_bytes, len(mv) - off))
+                   for off in range(0, len(mv), self.io_bytes)]
+        for f in futures:
+            f.result()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        if self.io_fd != self.fd:
+            os.close(self.io_fd)
+        os.close(self.fd)
+
+
+def _stamp(base: np.ndarray, i: int) -> np.ndarray:
+    """The entry's bytes: the shared random block with the entry number in the first 8 bytes of each slot."""
+    base[:, :, :8] = np.frombuffer(int(i).to_bytes(8, "little"), dtype=np.uint8)
+    return base
+
+
+def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 16, entry_tokens: int = 256,
+              io_threads: int = 4, rounds: int = 3, directory: str | None = None, out: str | None = None,
+              o_direct: object = "auto", max_io_bytes: int = 8 << 20, show_progress: bool = True,
+              quiet: bool = False, seed: int = 0) -> dict[str, Any]:
+    from kvconnectors.store import StoreConfig, TieredStore
+    from kvconnectors.store.sizes import format_size
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if rounds < 1 or io_threads < 1 or block_tokens < 1 or entry_tokens < block_tokens:
+        raise ValueError("rounds, io-threads, block-tokens >= 1 and entry-tokens >= block-tokens")
+    p = PRESETS[preset]
+    slot = p.token_bytes_per_layer * block_tokens
+    blocks = entry_tokens // block_tokens
+    entry_bytes = p.num_layers * blocks * slot
+    n_entries = max(1, nbytes // entry_bytes)
+    budget = n_entries * entry_bytes
+    io_slots = max(1, min(max_io_bytes // slot, _iov_max()))
+    io_bytes = io_slots * slot  # the store's largest coalesced I/O
+
+    parent = Path(directory) if directory else DEFAULT_OUT / "tmp"
+    parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tiers-", dir=parent))
+    (work / "store").mkdir()
+    rows: list[dict[str, Any]] = []
+    store = raw = None
+    mm_raw = None
+    verified = {"restore": False, "raw_read": False}
+    t_start = time.perf_counter()
+    try:
+        store = TieredStore(StoreConfig(slot_bytes=slot, dram_bytes=budget, nvme_dirs=[str(work / "store")],
+                                        nvme_bytes=budget + entry_bytes, io_threads=io_threads, o_direct=o_direct,
+                                        max_io_bytes=max_io_bytes, instance_name="benchtiers", lease_ttl_s=3600))
+        (store_file,) = glob.glob(str(work / "store" / "kvc-*.kv"))
+        raw = RawFile(str(work / "raw.kv"), os.path.getsize(store_file), io_bytes, io_threads, o_direct)
+        mm_raw, raw_buf = _aligned(budget)
+        raw_buf[:] = np.random.default_rng(seed).integers(0, 256, budget, dtype=np.uint8)
+        raw_expect = raw_buf.copy()
+        base = np.random.default_rng(seed + 1).integers(0, 256, (p.num_layers, blocks, slot), dtype=np.uint8)
+        nvme = getattr(store, "_nvme", None)  # diagnostics only: how many I/Os the store issued
+
+        def put(key: str, i: int) -> None:
+            data = _stamp(base, i)
+            store.create(key, p.num_layers, blocks)
+            for layer in range(p.num_layers):
+                store.write(key, layer, 0, data[layer])
+            store.seal(key)
+
+        def ios() -> tuple[int, int]:
+            return (nvme.write_ios, nvme.read_ios) if nvme is not None else (0, 0)
+
+        bar = progress(rounds * 4, f"tiers {format_size(budget)}", show_progress)
+        try:
+            for r in range(rounds):
+                row: dict[str, Any] = {"round": r, "first": "store" if r % 2 == 0 else "raw"}
+                olds = [f"a{r}-{i}" for i in range(n_entries)]
+                news = [f"b{r}-{i}" for i in range(n_entries)]
+                bar.set_postfix_str("fill")
+                for i, k in enumerate(olds):
+                    put(k, i)
+                bar.update(1)
+
+                # ---- spill vs raw write
+                def store_spill() -> None:
+                    s0, w0 = store.stats.snapshot(), ios()[0]
+                    for i, k in enumerate(news):
+                        put(k, n_entries + i)
+                    s1 = store.stats.snapshot()
+                    row["spill_bytes"] = s1["spill_bytes"] - s0["spill_bytes"]
+                    row["spill_s"] = s1["spill_seconds"] - s0["spill_seconds"]
+                    row["spill_ios"] = ios()[0] - w0
+
+                def raw_write() -> None:
+                    row["raw_write_s"] = raw.io(raw_buf, write=True)
+
+                bar.set_postfix_str("spill / raw write")
+                for f in ((store_spill, raw_write) if r % 2 == 0 else (raw_write, store_spill)):
+                    f()
+                bar.update(1)
+                row["spilled_entries"] = sum(1 for k in olds if store.info(k).dram_slots == 0)
+
+                # ---- restore vs raw read, both cold
+                for k in news:
+                    store.release(k)
+                drop_cache(store_file)
+                drop_cache(raw.path)
+                raw_buf[:] = 0
+
+                def store_restore() -> None:
+                    s0, r0 = store.stats.snapshot(), ios()[1]
+                    for i, k in enumerate(olds):
+                        with store.pinned_views(k) as pv:
+                            if r == 0 and i in (0, n_entries - 1):  # check restored bytes (not timed by the stats)
+                                want = _stamp(base, i)
+                                for layer in range(p.num_layers):
+                                    for b in range(blocks):
+                                        if not np.array_equal(pv.array(layer, b), want[layer, b]):
+                                            raise AssertionError(f"restored entry {k} layer {layer} block {b} differs")
+                                verified["restore"] = True
+                    s1 = store.stats.snapshot()
+                    row["restore_bytes"] = s1["restore_bytes"] - s0["restore_bytes"]
+                    row["restore_s"] = s1["restore_seconds"] - s0["restore_seconds"]
+                    row["restore_ios"] = ios()[1] - r0
+
+                def raw_read() -> None:
+                    row["raw_read_s"] = raw.io(raw_buf, write=False)
+
+                bar.set_postfix_str("restore / raw read")
+                for f in ((store_restore, raw_read) if r % 2 == 0 else (raw_read, store_restore)):
+                    f()
+                bar.update(1)
+                if not np.array_equal(raw_buf, raw_expect):
+                    raise AssertionError("raw O_DIRECT read returned different bytes than were written")
+                verified["raw_read"] = True
+                for k in olds:
+                    store.release(k)
+                bar.update(1)
+                row["raw_bytes"] = budget
+                rows.append(row)
+        finally:
+            bar.close()
+        io_mode = store.nvme_io_mode
+        mode_reasons = store.nvme_mode_reasons
+        raw_mode = {"direct": raw.direct, "reason": raw.mode_reason}
+    finally:
+        if store is not None:
+            store.close()
+        if raw is not None:
+            raw.close()
+        if mm_raw is not None:
+            try:
+                del raw_buf
+                mm_raw.close()
+            except (BufferError, NameError):
+                pass
+        shutil.rmtree(work, ignore_errors=True)
+
+    result = _result(rows, locals_=dict(preset=preset, slot=slot, blocks=blocks, entry_bytes=entry_bytes,
+                                        n_entries=n_entries, budget=budget, io_bytes=io_bytes, io_threads=io_threads,
+                                        rounds=rounds, max_io_bytes=max_io_bytes, o_direct=o_direct,
+                                        entry_tokens=entry_tokens, block_tokens=block_tokens, parent=str(parent)),
+                     io_mode=io_mode, mode_reasons=mode_reasons, raw_mode=raw_mode, verified=verified,
+                     wall_s=time.perf_counter() - t_start)
+    d = out_dir(out)
+    stem = f"tiers_{preset}_{budget >> 20}MiB"
+    result["files"] = {"json": str(d / f"{stem}.json"), "png": str(d / f"{stem}.png")}
+    write_json(d / f"{stem}.json", result)
+    _plot(result, d / f"{stem}.png")
+    if not quiet:
+        print(render(result))
+    return result
+
+
+def _iov_max() -> int:
+    try:
+        return int(os.sysconf("SC_IOV_MAX"))
+    except (ValueError, OSError):
+        return 1024
+
+
+def _gbps(nbytes: float, seconds: float) -> float | None:
+    return nbytes / seconds / 1e9 if seconds > 0 and nbytes > 0 else None
+
+
+def _stat(values: list[float | None]) -> dict[str, float | None]:
+    v = [x for x in values if x is not None]
+    if not v:
+        return {"median": None, "min": None, "max": None}
+    return {"median": float(np.median(v)), "min": float(min(v)), "max": float(max(v))}
+
+
+def _result(rows: list[dict], locals_: dict, io_mode: dict, mode_reasons: dict, raw_mode: dict, verified: dict,
+            wall_s: float) -> dict[str, Any]:
+    for row in rows:
+        row["spill_gbps"] = _gbps(row.get("spill_bytes", 0), row.get("spill_s", 0))
+        row["restore_gbps"] = _gbps(row.get("restore_bytes", 0), row.get("restore_s", 0))
+        row["raw_write_gbps"] = _gbps(row["raw_bytes"], row.get("raw_write_s", 0))
+        row["raw_read_gbps"] = _gbps(row["raw_bytes"], row.get("raw_read_s", 0))
+        row["spill_vs_raw"] = ratio(row["spill_gbps"], row["raw_write_gbps"])
+        row["restore_vs_raw"] = ratio(row["restore_gbps"], row["raw_read_gbps"])
+    summary = {k: _stat([r[k] for r in rows]) for k in
+               ("spill_gbps", "raw_write_gbps", "restore_gbps", "raw_read_gbps", "spill_vs_raw", "restore_vs_raw")}
+    comparisons = []
+    for ours, base, per_round in (("spill", "raw_write", "spill_vs_raw"), ("restore", "raw_read", "restore_vs_raw")):
+        r = ratio(summary[f"{ours}_gbps"]["median"], summary[f"{base}_gbps"]["median"])
+        comparisons.append({"ours": ours, "baseline": base, "ratio": r, "ratio_per_round_median":
+                            summary[per_round]["median"], "target": TARGET, "met": None if r is None else r >= TARGET})
+    c = locals_
+    spill_ios = sum(r.get("spill_ios", 0) for r in rows)
+    restore_ios = sum(r.get("restore_ios", 0) for r in rows)
+    return {
+        "benchmark": "tiers",
+        "config": {"preset": c["preset"], "slot_bytes": c["slot"], "block_tokens": c["block_tokens"],
+                   "entry_tokens": c["entry_tokens"], "entry_blocks": c["blocks"], "entry_bytes": c["entry_bytes"],
+                   "entries_per_phase": c["n_entries"], "bytes_per_phase": c["budget"], "rounds": c["rounds"],
+                   "io_threads": c["io_threads"], "max_io_bytes": c["max_io_bytes"], "raw_io_bytes": c["io_bytes"],
+                   "o_direct": c["o_direct"], "dir": c["parent"], "gb": "1e9 bytes",
+                   "cold_reads": "fdatasync + posix_fadvise(DONTNEED) before each read phase; O_DIRECT bypasses "
+                                 "the page cache anyway"},
+        "host": host_info(),
+        "io_mode": {"store": io_mode, "store_reasons": mode_reasons, "raw": raw_mode},
+        "store_io_diagnostics": {  # from the store's NVMe tier counters (a private attribute; diagnostics only)
+            "spill_ios": spill_ios, "restore_ios": restore_ios,
+            "avg_spill_io_bytes": (sum(r.get("spill_bytes", 0) for r in rows) / spill_ios) if spill_ios else None,
+            "avg_restore_io_bytes": (sum(r.get("restore_bytes", 0) for r in rows) / restore_ios) if restore_ios
+            else None},
+        "verified": verified,
+        "rounds": rows,
+        "summary": summary,
+        "comparisons": comparisons,
+        "wall_s": wall_s,
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    c, s = result["config"], result["summary"]
+    head = (f"tiers: {c['bytes_per_phase'] / 2**20:.0f} MiB per phase = {c['entries_per_phase']} entries x "
+            f"{c['entry_bytes'] / 2**20:.1f} MiB (preset {c['preset']}, slot {c['slot_bytes'] // 1024} KiB), "
+            f"{c['rounds']} rounds, io_threads {c['io_threads']}, I/O size <= {c['raw_io_bytes'] / 2**20:.1f} MiB; "
+            f"store NVMe mode {result['io_mode']['store']}, raw {'O_DIRECT' if result['io_mode']['raw']['direct'] else 'buffered'}")
+    rows = [
+        ["spill DRAM->NVMe (store)", s["spill_gbps"]["median"], s["spill_gbps"]["min"], s["spill_gbps"]["max"]],
+        ["raw O_DIRECT write", s["raw_write_gbps"]["median"], s["raw_write_gbps"]["min"], s["raw_write_gbps"]["max"]],
+        ["restore NVMe->DRAM (store)", s["restore_gbps"]["median"], s["restore_gbps"]["min"], s["restore_gbps"]["max"]],
+        ["raw O_DIRECT read (cold)", s["raw_read_gbps"]["median"], s["raw_read_gbps"]["min"],
+         s["raw_read_gbps"]["max"]],
+    ]
+    t1 = table(["path", "GB/s med", "GB/s min", "GB/s max"], rows)
+    crow = [[f"{x['ours']} / {x['baseline']}", x["ratio"], x["ratio_per_round_median"], f">= {x['target']}",
+             "-" if x["met"] is None else ("met" if x["met"] else "MISSED")] for x in result["comparisons"]]
+    t2 = table(["store / raw", "ratio (med)", "ratio per round (med)", "target", "verdict"], crow, align="lrrrl")
+    diag = result["store_io_diagnostics"]
+    extra = []
+    if diag["avg_spill_io_bytes"]:
+        extra.append(f"store I/Os: spill {diag['spill_ios']} (avg {diag['avg_spill_io_bytes'] / 2**20:.2f} MiB), "
+                     f"restore {diag['restore_ios']} (avg {(diag['avg_restore_io_bytes'] or 0) / 2**20:.2f} MiB)")
+    extra.append(f"verified: restored bytes {result['verified']['restore']}, raw read-back {result['verified']['raw_read']}")
+    files = result.get("files", {})
+    if files:
+        extra.append(f"JSON {files.get('json')}\nPNG  {files.get('png')}")
+    return "\n".join([head, "", t1, "", t2, ""] + extra)
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    s = result["summary"]
+    labels = ["spill (store)", "raw write", "restore (store)", "raw read (cold)"]
+    keys = ["spill_gbps", "raw_write_gbps", "restore_gbps", "raw_read_gbps"]
+    if any(s[k]["median"] is None for k in keys):
+        return
+    notes = [f"{x['ours']}/{x['baseline']} = {x['ratio']:.2f} (target >= {x['target']})"
+             for x in result["comparisons"] if x["ratio"] is not None]
+    c = result["config"]
+    bar_chart(path, labels, [s[k]["median"] for k in keys], [s[k]["min"] for k in keys],
+              ["#1f77b4", "#9e9e9e", "#1f77b4", "#9e9e9e"],
+              title=(f"Store tiers vs raw O_DIRECT, {c['bytes_per_phase'] / 2**20:.0f} MiB per phase, "
+                     f"{c['io_threads']} I/Os in flight, {c['rounds']} rounds"),
+              ylabel="GB/s (median over rounds; min as the dark tick)", notes=notes,
+              legend=[("store", "#1f77b4"), ("raw", "#9e9e9e")])
+
+
+# ============================================================================== command line
+def _size(text: str) -> int:
+    from kvconnectors.store.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bytes", type=_size, default=256 << 20,
+                        help="bytes spilled and restored per round (the DRAM budget); e.g. 256MiB, 1g")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="8b",
+                        help="model KV geometry that sets the slot size (see bench transfer --help)")
+    parser.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block (slot = one layer's block)")
+    parser.add_argument("--entry-tokens", type=int, default=256,
+                        help="tokens per store entry (one request's KV: layers x blocks slots)")
+    parser.add_argument("--io-threads", type=int, default=4,
+                        help="the store's io_threads, and the raw baseline's I/Os in flight")
+    parser.add_argument("--max-io-bytes", type=_size, default=8 << 20,
+                        help="the store's cap on one coalesced I/O, and the raw baseline's I/O size")
+    parser.add_argument("--rounds", type=int, default=3, help="spill + restore rounds (median reported)")
+    parser.add_argument("--o-direct", choices=["auto", "true", "false"], default="auto",
+                        help="the store's o_direct setting (the raw file follows it)")
+    parser.add_argument("--dir", default=None,
+                        help="directory on the disk under test; a temporary folder is made (and removed) "
+                             "inside it (default: artifacts/bench/tmp in the repository)")
+    parser.add_argument("--out", default=None, help="output directory for the JSON and PNG "
+                                                    "(default: artifacts/bench in the repository)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    o_direct = {"auto": "auto", "true": True, "false": False}[args.o_direct]
+    try:
+        result = run_tiers(nbytes=args.bytes, preset=args.preset, block_tokens=args.block_tokens,
+                           entry_tokens=args.entry_tokens, io_threads=args.io_threads, rounds=args.rounds,
+                           directory=args.dir, out=args.out, o_direct=o_direct, max_io_bytes=args.max_io_bytes,
+                           show_progress=not args.no_progress)
+    except ValueError as exc:
+        print(f"kvconnectors bench tiers: {exc}", file=sys.stderr)
+        return 2
+    return 0 if all(result["verified"].values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

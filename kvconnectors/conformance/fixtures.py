@@ -1,0 +1,245 @@
+"""`ConnectorBackend`: the one class a connector overrides to run the conformance suite.
+
+fsspec-style opt-in: subclass it once per connector, then combine it with the area mixins you
+want (`SchedulerContractTests`, `WorkerTransferTests`, `EngineEndToEndTests`,
+`FailureReportingTests`):
+
+    class TieredBackend(ConnectorBackend):
+        name = "TieredConnector"; kv_connector = "TieredConnector"; module_path = "kvconnectors.tiered"
+        capabilities = Capabilities(async_load=True, pd_pull=True, failure_reporting=True)
+    class TestTiered(TieredBackend, SchedulerContractTests, WorkerTransferTests): pass
+
+What a backend MUST set: `name`, `kv_connector` (and `module_path` for an out-of-tree class).
+What it MAY override (all have working defaults for a "pull with a ticket" connector):
+`capabilities`, `xfail` (strict, test name -> "issue URL: why"), `skips` (test or area name ->
+the precise reason it cannot run here), `extra_config(role)`, `environment(role, instance)`,
+`unavailable()`, `producer_params()`, `prepare_scheduler(harness)`,
+`prepare_consumer(harness, prompt)` (the backdoor that makes a prompt loadable),
+`consumer_params(producer_params)`, `fault_extra()` / `corrupt_extra()` (fault hooks),
+`run_pd(...)` (how to run a real prefill -> decode pair of engines).
+
+Scenarios backends never override live in the mixins; every wait is bounded by `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from kvconnectors.conformance.capabilities import Capabilities, area_of, missing, skip_reason
+
+
+class ConnectorBackend:
+    """Fixtures and hooks for one connector. Class attributes, not fixtures, on purpose: a
+    fixture overridden by a plain method would be silently ignored."""
+
+    # ---------------------------------------------------------------- MUST
+    name: ClassVar[str] = ""
+    kv_connector: ClassVar[str] = ""
+    # ---------------------------------------------------------------- MAY
+    module_path: ClassVar[str | None] = None
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    xfail: ClassVar[dict[str, str]] = {}      # test name -> "https://issue: reason"  (strict)
+    skips: ClassVar[dict[str, str]] = {}      # test or area name -> precise reason it cannot run here
+    block_size: ClassVar[int] = 32
+    scheduler_role: ClassVar[str] = "kv_both"     # scheduler-contract tests: producer and consumer in one
+    producer_role: ClassVar[str] = "kv_producer"
+    consumer_role: ClassVar[str] = "kv_consumer"
+    engine_role: ClassVar[str] = "kv_both"        # one-engine P/D (kvconnectors.testing.pd)
+    needs_parallel_state: ClassVar[bool] = False  # worker side needs vLLM's TP group (NIXL)
+    timeout_s: ClassVar[float] = 30.0             # bound on every wait
+    prompt_lengths: ClassVar[tuple[int, ...]] = (101, 64, 40)  # 3 blocks + 5, exactly 2 blocks, 1 + 8
+
+    _seq = itertools.count()
+    tmp_path: Path | None = None   # set per test by the gate (pytest's tmp_path)
+
+    # ---------------------------------------------------------------- gate (autouse)
+    @pytest.fixture(autouse=True)
+    def _conformance_gate(self, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+        """Per test: availability, declared capabilities, known skips, strict xfails."""
+        self.tmp_path = tmp_path
+        test = request.node.name
+        base = getattr(request.node, "originalname", test)
+        if not self.name or not self.kv_connector:
+            pytest.fail(f"{type(self).__name__}: a backend must set `name` and `kv_connector`")
+        reason = type(self)._unavailable_cached()
+        if reason:
+            pytest.skip(f"{self.name}: unavailable here: {reason}")
+        fn = getattr(request, "function", None)
+        if fn is not None:
+            for cap in missing(self.capabilities, fn):
+                pytest.skip(skip_reason(self.name, cap))
+        area = area_of(type(self), base)
+        for key in (test, base, area):
+            if key and key in self.skips:
+                pytest.skip(f"{self.name}: {self.skips[key]}")
+        for key in (test, base):
+            if key in self.xfail:
+                request.applymarker(pytest.mark.xfail(reason=f"{self.name}: known issue: {self.xfail[key]}",
+                                                      strict=True))
+                break
+
+    _unavailable_memo: ClassVar[dict[type, str | None]] = {}
+
+    @classmethod
+    def _unavailable_cached(cls) -> str | None:
+        if cls not in ConnectorBackend._unavailable_memo:
+            try:
+                ConnectorBackend._unavailable_memo[cls] = cls().unavailable()
+            except Exception as exc:  # noqa: BLE001 - the reason is the report
+                ConnectorBackend._unavailable_memo[cls] = f"{type(exc).__name__}: {exc}"
+        return ConnectorBackend._unavailable_memo[cls]
+
+    # ---------------------------------------------------------------- configuration
+    def extra_config(self, role: str) -> dict[str, Any]:
+        """`kv_connector_extra_config` for an engine of this role."""
+        return {}
+
+    def kv_transfer_config(self, role: str, *, policy: str = "fail",
+                           extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"kv_connector": self.kv_connector, "kv_role": role,
+                               "kv_load_failure_policy": policy,
+                               "kv_connector_extra_config": {**self.extra_config(role), **(extra or {})}}
+        if self.module_path:
+            cfg["kv_connector_module_path"] = self.module_path
+        return cfg
+
+    def environment(self, role: str, instance: str) -> dict[str, str]:
+        """Environment variables an engine of this role needs (e.g. distinct side-channel
+        ports when two engines live in one process); applied while its objects are built and
+        stepped."""
+        return {}
+
+    def connector_class(self) -> type:
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        return KVConnectorFactory.get_connector_class(KVTransferConfig(**self.kv_transfer_config("kv_both")))
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run at all here (None = it can). Default: the connector
+        class must import. Precise reasons only: the exception as raised."""
+        try:
+            self.connector_class()
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    # ---------------------------------------------------------------- scheduler side
+    def scheduler(self, role: str | None = None, *, policy: str = "fail", name: str = "engine",
+                  extra: dict[str, Any] | None = None) -> Any:
+        """A `SchedulerHarness` with this connector's scheduler side (closed at teardown by
+        the mixins' `sched` fixtures)."""
+        from kvconnectors.conformance.harness import SchedulerHarness, create_vllm_config
+
+        cfg = create_vllm_config(self.kv_transfer_config(role or self.scheduler_role, policy=policy, extra=extra),
+                                 block_size=self.block_size)
+        h = SchedulerHarness(cfg, name=name)
+        try:
+            self.prepare_scheduler(h)
+        except BaseException:
+            h.close()
+            raise
+        return h
+
+    def prepare_scheduler(self, harness: Any) -> None:
+        """Called once after the scheduler is built (e.g. hand it worker handshake metadata)."""
+
+    def producer_params(self) -> dict[str, Any] | None:
+        """kv_transfer_params of a prefill (producer) request, as a P/D proxy sends them."""
+        return {"do_remote_decode": True}
+
+    def prepare_consumer(self, harness: Any, prompt: list[int]) -> dict[str, Any] | None:
+        """Make `prompt` loadable by `harness`'s connector and return the kv_transfer_params a
+        consumer request must carry (None if it needs none, e.g. a content-addressed store).
+
+        Default: run the producer path in the same scheduler (kv_both) and return the params
+        `request_finished` handed back; blocks the connector held are released as its worker
+        would after the consumer read them."""
+        from kvconnectors.conformance.harness import create_request
+
+        rid = f"producer-{next(self._seq)}"
+        harness.add(create_request(rid, prompt, max_tokens=1, kv_transfer_params=self.producer_params()))
+        harness.run_until(lambda: rid in harness.finished, f"producer request {rid} to finish",
+                          timeout_s=self.timeout_s)
+        params = harness.finished[rid].kv_transfer_params
+        harness.finish_held()
+        assert params, (f"{self.name}: producer request finished with kv_transfer_params={params!r}, expected "
+                        "the params a consumer needs (override prepare_consumer if the connector needs none)")
+        return dict(params)
+
+    def consumer_params(self, producer_params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """What a P/D proxy forwards to the consumer, given the producer's response params."""
+        return producer_params
+
+    def expected_load_tokens(self, prompt_len: int) -> int | None:
+        """How many tokens a consumer of a `prompt_len` prompt should get from the connector
+        (None = any positive number)."""
+        return None
+
+    # ---------------------------------------------------------------- worker side
+    def engine_pair(self, *, policy: str = "fail", producer_extra: dict[str, Any] | None = None,
+                    consumer_extra: dict[str, Any] | None = None) -> tuple[Any, Any]:
+        """Producer and consumer `EngineHarness`es (scheduler + worker connector + CPU caches)."""
+        from kvconnectors.conformance.workers import EngineHarness
+
+        producer = EngineHarness(self, self.producer_role, name="producer", seed=1, policy=policy,
+                                 extra=producer_extra)
+        try:
+            consumer = EngineHarness(self, self.consumer_role, name="consumer", seed=2, policy=policy,
+                                     extra=consumer_extra)
+        except BaseException:
+            producer.close()
+            raise
+        return producer, consumer
+
+    def fault_extra(self) -> dict[str, Any] | None:
+        """Producer-side extra config that makes every consumer load fail in a way the connector
+        detects (None = the backend has no fault hook)."""
+        return None
+
+    def fault_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Consumer params rewritten so that the load fails in a way the connector detects,
+        for connectors without a configurable fault hook. Return None if there is no such
+        rewrite (the default). The producer is then left holding its blocks until its own
+        timeout, so tests using this skip the producer-side leak check."""
+        return None
+
+    def corrupt_extra(self) -> dict[str, Any] | None:
+        """Extra config (both roles) under which transferred bytes are corrupted *undetected*,
+        for negative controls (None = no such hook)."""
+        return None
+
+    # ---------------------------------------------------------------- engines
+    def run_pd(self, model: str, prompts: list[list[int]], max_tokens: int, *, fault: str | None = None,
+               policy: str = "fail", workdir: Path) -> Any:
+        """Prefill every prompt on a producer, decode on a consumer; return a `PDRun`.
+        `fault`: None, "corrupt" (bytes changed undetected) or "fail" (loads fail detectably).
+        Default: one in-process engine with kv_role `engine_role` (kvconnectors.testing.pd)."""
+        from kvconnectors.conformance.engine_runs import one_engine_pd
+
+        return one_engine_pd(self, model, prompts, max_tokens, fault=fault, policy=policy)
+
+
+def load_backend(spec: str) -> type[ConnectorBackend]:
+    """A backend class from a built-in name ("TieredConnector"), "module:Class" naming a
+    `ConnectorBackend` subclass, or "module:Class" naming a `KVConnectorBase_V1` subclass (a
+    generic backend is made for it, with nothing but the default capabilities declared)."""
+    from kvconnectors.conformance import backends
+
+    if spec in backends.BACKENDS:
+        return backends.BACKENDS[spec]
+    if ":" not in spec:
+        raise ValueError(f"unknown connector {spec!r}: use one of {', '.join(backends.BACKENDS)} "
+                         "or module:Class")
+    module_name, _, cls_name = spec.partition(":")
+    obj = getattr(importlib.import_module(module_name), cls_name)
+    if isinstance(obj, type) and issubclass(obj, ConnectorBackend):
+        return obj
+    return type(f"{cls_name}Backend", (ConnectorBackend,), {
+        "name": cls_name, "kv_connector": cls_name, "module_path": module_name,
+        "__doc__": f"Generic backend for {spec}: default capabilities only."})

@@ -1,0 +1,186 @@
+"""The P/D proxy against real `vllm serve` instances with TieredConnector: completions and chat,
+streaming and not, a killed decode instance, a killed prefill instance, a client that leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from integration.cluster import PDCluster, ProxyThread
+from integration.workload import run_workload
+from kvconnectors.serving import VllmServer, complete, free_port, post_json, stop_all
+from kvconnectors.testing.compare import assert_same_tokens
+from kvconnectors.testing.engines import generate_ids, llm_engine
+from kvconnectors.testing.prompts import token_prompts
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 10
+PROXY_FAST = ["--health-interval", "0.5", "--unhealthy-after", "1", "--decode-idle-timeout", "20"]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return token_prompts([20, 64, 100, 250], seed=5)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model, prompts) -> list[list[int]]:
+    with llm_engine(tiny_model) as llm:
+        return generate_ids(llm, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model, tmp_path_factory):
+    with PDCluster(tiny_model, proxy_args=PROXY_FAST, log_dir=tmp_path_factory.mktemp("pd")) as cluster:
+        yield cluster
+
+
+def idle(server: VllmServer) -> bool:
+    m = server.metrics()
+    return all(v == 0 for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+               for _, v in m.get(name, []))
+
+
+def wait_until(pred, timeout: float = 15.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_completions_non_streaming_and_streaming(pd, prompts, colocated) -> None:
+    name = pd.prefill[0].served_model_name
+    plain = [complete(pd.proxy_url, p, model=name, max_tokens=MAX_TOKENS)["choices"][0]["token_ids"] for p in prompts]
+    assert_same_tokens(colocated, plain, "non-streaming P/D output")
+    streamed = run_workload(pd.proxy_url, name, prompts, MAX_TOKENS, concurrency=4, progress=False)
+    assert not [r.error for r in streamed if r.error]
+    assert_same_tokens(colocated, [r.token_ids for r in streamed], "streaming P/D output")
+
+
+def _chat(url: str, model: str, stream: bool) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me about the river and the tier."}],
+            "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    if not stream:
+        return post_json(f"{url}/v1/chat/completions", body)["choices"][0]["message"]["content"]
+
+    async def go() -> str:
+        text = ""
+        async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    delta = json.loads(line[5:])["choices"][0].get("delta", {})
+                    text += delta.get("content") or ""
+        return text
+    return asyncio.run(go())
+
+
+def test_chat_non_streaming_and_streaming(pd) -> None:
+    name = pd.prefill[0].served_model_name
+    direct = _chat(pd.decode[0].url, name, stream=False)  # decode instance computing alone
+    assert direct, "empty chat completion"
+    assert _chat(pd.proxy_url, name, stream=False) == direct
+    assert _chat(pd.proxy_url, name, stream=True) == direct
+
+
+def test_client_disconnect_mid_stream_frees_both_instances(pd) -> None:
+    name = pd.prefill[0].served_model_name
+
+    async def leave_early() -> int:
+        body = {"model": name, "prompt": list(range(30, 130)), "max_tokens": 1500, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        chunks = 0
+        async with aiohttp.ClientSession() as s, s.post(f"{pd.proxy_url}/v1/completions", json=body) as r:
+            async for _ in r.content:
+                chunks += 1
+                if chunks >= 5:
+                    break  # leaving the block closes the connection mid-stream
+        return chunks
+
+    assert asyncio.run(leave_early()) >= 5
+    assert wait_until(lambda: idle(pd.decode[0]) and idle(pd.prefill[0])), (
+        "the abandoned request is still running on an instance")
+
+
+def _kill(server: VllmServer) -> None:
+    os.killpg(os.getpgid(server.pid), signal.SIGKILL)
+
+
+def test_decode_killed_gives_clear_errors_not_hangs(tiny_model, tmp_path) -> None:
+    with PDCluster(tiny_model, proxy_args=PROXY_FAST, log_dir=tmp_path) as cluster:
+        name = cluster.prefill[0].served_model_name
+
+        async def run() -> list[str]:
+            async def one(i: int) -> str:
+                body = {"model": name, "prompt": list(range(40 + i, 140 + i)), "max_tokens": 1500,
+                        "temperature": 0.0, "ignore_eos": True, "stream": True}
+                async with aiohttp.ClientSession() as s, s.post(f"{cluster.proxy_url}/v1/completions", json=body,
+                                                                timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    if r.status != 200:
+                        return f"http {r.status}"
+                    async for raw in r.content:
+                        if b'"error"' in raw:
+                            return "sse error"
+                    return "completed"
+            tasks = [asyncio.create_task(one(i)) for i in range(3)]
+            await asyncio.sleep(1.5)
+            _kill(cluster.decode[0])
+            return await asyncio.gather(*tasks)
+
+        start = time.monotonic()
+        outcomes = asyncio.run(run())
+        assert time.monotonic() - start < 45, "clients were left hanging after the decode instance died"
+        assert all(o in ("sse error", "http 502", "http 503") for o in outcomes), outcomes
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as err:  # a new request: a clear OpenAI-style error, fast
+            complete(cluster.proxy_url, [1, 2, 3], model=name, max_tokens=4, timeout=30)
+        assert time.monotonic() - t0 < 15
+        assert "error" in str(err.value).lower() or "50" in str(err.value)
+
+
+def test_prefill_killed_traffic_moves_to_the_other(tiny_model, prompts, colocated, tmp_path) -> None:
+    """Two kv_both instances, each in both pools (two engines on two cores)."""
+    cfg = {"kv_connector": "TieredConnector", "kv_connector_module_path": "kvconnectors.tiered",
+           "kv_role": "kv_both", "kv_connector_extra_config": {"transport": "tcp"}}
+    from integration.launcher import PACKAGE_ROOT, parse_proxy_argv
+
+    servers = [VllmServer(tiny_model, name=f"both-{i}", core=i, pythonpath=[PACKAGE_ROOT],
+                          extra_args=["--kv-transfer-config", json.dumps(cfg)], log_path=tmp_path / f"{i}.log")
+               for i in range(2)]
+    proxy = None
+    try:
+        for s in servers:
+            s.start(wait=False)
+        for s in servers:
+            s.wait_healthy()
+        argv = ["--port", str(free_port()), *PROXY_FAST]
+        for s in servers:
+            argv += ["--prefill", s.url, "--decode", s.url]
+        proxy = ProxyThread(parse_proxy_argv(argv)).start()
+        name = servers[0].served_model_name
+        before = run_workload(proxy.url, name, prompts, MAX_TOKENS, concurrency=2, progress=False)
+        assert_same_tokens(colocated, [r.token_ids for r in before])
+        _kill(servers[1])
+        after = run_workload(proxy.url, name, prompts * 2, MAX_TOKENS, concurrency=2, progress=False,
+                             timeout_s=60)
+        failed = [r for r in after if r.error]
+        # Requests caught on the dying instance may fail, cleanly; the rest move to the survivor.
+        assert len(failed) <= 2, [r.error for r in failed]
+        ok = [r for r in after if not r.error]
+        assert_same_tokens([colocated[r.index % len(prompts)] for r in ok], [r.token_ids for r in ok])
+        again = run_workload(proxy.url, name, prompts, MAX_TOKENS, concurrency=2, progress=False)
+        assert not [r.error for r in again if r.error], "the pool did not recover onto the live instance"
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        stop_all(servers)
