@@ -9,6 +9,7 @@ throughput of the p99 (slow-tail) iteration, i.e. the lower bound almost every i
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -159,3 +160,12 @@ def progress(total: int, desc: str, enabled: bool = True):
 
     return tqdm(total=total, desc=desc, unit="it", file=sys.stderr, disable=not enabled, leave=False,
                 dynamic_ncols=True)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows defaults and keeps the description's own line breaks (the path tables)."""
+
+
+def description(doc: str | None) -> str:
+    """A module docstring up to its "Usage:" paragraph."""
+    return (doc or "").split("\nUsage:")[0].strip()

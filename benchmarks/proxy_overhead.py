@@ -78,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.requests <= 5000:
         raise SystemExit(f"--requests {args.requests}: must be in [1, 5000]")
     model = str(ensure_tiny_model(args.model_variant))
-    with PDCluster(model, log_dir=args.out / "proxy_overhead_logs") as pd:
+    # The proxy gets its own process, as in production: in this one it would share the GIL
+    # with the measuring client and be charged for the client's work.
+    with PDCluster(model, log_dir=args.out / "proxy_overhead_logs", proxy_process=True) as pd:
         result = asyncio.run(measure(pd.proxy_url, pd.prefill[0].url, pd.decode[0].url,
                                      pd.prefill[0].served_model_name, args.requests))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,10 @@ Cold reads: before each restore / raw read, the files' cached pages are dropped 
 posix_fadvise(POSIX_FADV_DONTNEED) (after fdatasync). With O_DIRECT (the store's default wherever the
 filesystem accepts it) the page cache is bypassed anyway, so this only matters in buffered mode.
 
-Rounds alternate which side goes first (store, raw, store, ...), so drift on a shared box hits both.
+Each round runs the store, the raw baseline and a diagnostic raw variant that waits for each entry's
+worth of I/Os before the next (the store keeps I/Os in flight only within one call), in an order
+rotated every round, so drift on a shared box hits all alike. A warm-up round comes first (untimed):
+the first writes land in fallocated-but-unwritten extents, which costs extent conversions.
 
 Usage:  python -m benchmarks.tiers --bytes 256MiB --rounds 3
         kvconnectors bench tiers --dir /mnt/nvme0/tmp
@@ -39,14 +42,22 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import DEFAULT_OUT, bar_chart, host_info, out_dir, progress, ratio, table, write_json
+from benchmarks.common import (DEFAULT_OUT, HelpFormatter, bar_chart, description, host_info, out_dir, progress,
+                               ratio, table, write_json)
 from benchmarks.transfer import PRESETS
 
 TARGET = 0.8
 
 
 def _aligned(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Page-aligned anonymous memory with the same transparent-huge-page hint as the store's DRAM arena
+    (O_DIRECT pins the user pages of every I/O: 4 KiB pages cost more to pin than huge ones)."""
     m = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
     a = np.frombuffer(m, dtype=np.uint8, count=nbytes)
     a[:] = 0  # fault in outside the timing
     return m, a
@@ -89,8 +100,10 @@ class RawFile:
                 self.mode_reason = f"O_DIRECT refused: {exc.strerror}"
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="raw-io")
 
-    def io(self, buf: np.ndarray, write: bool) -> float:
-        """Move buf (page-aligned) to/from file offset 0 in io_bytes pieces; returns seconds."""
+    def io(self, buf: np.ndarray, write: bool, wave_bytes: int | None = None) -> float:
+        """Move buf (page-aligned) to/from file offset 0 in io_bytes pieces; returns seconds. With
+        `wave_bytes`, wait for all I/Os of each wave_bytes stretch before starting the next (the
+        store's pattern: its I/Os are in flight together only within one call, i.e. one entry)."""
         mv = memoryview(buf).cast("B")
         fn = os.pwritev if write else os.preadv
 
@@ -102,11 +115,13 @@ class RawFile:
                     raise OSError(f"{fn.__name__} moved {k} bytes at offset {off + done}")
                 done += k
 
+        wave = wave_bytes or len(mv)
         t0 = time.perf_counter()
-        futures = [self.pool.submit(one, off, min(self.io_bytes, len(mv) - off))
-                   for off in range(0, len(mv), self.io_bytes)]
-        for f in futures:
-            f.result()
+        for w0 in range(0, len(mv), wave):
+            w1 = min(len(mv), w0 + wave)
+            futures = [self.pool.submit(one, off, min(self.io_bytes, w1 - off)) for off in range(w0, w1, self.io_bytes)]
+            for f in futures:
+                f.result()
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -114,6 +129,11 @@ class RawFile:
         if self.io_fd != self.fd:
             os.close(self.io_fd)
         os.close(self.fd)
+
+
+def _rotate(items: list, r: int) -> list:
+    k = r % len(items)
+    return items[k:] + items[:k]
 
 
 def _stamp(base: np.ndarray, i: int) -> np.ndarray:
@@ -125,13 +145,13 @@ def _stamp(base: np.ndarray, i: int) -> np.ndarray:
 def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 16, entry_tokens: int = 256,
               io_threads: int = 4, rounds: int = 3, directory: str | None = None, out: str | None = None,
               o_direct: object = "auto", max_io_bytes: int = 8 << 20, show_progress: bool = True,
-              quiet: bool = False, seed: int = 0) -> dict[str, Any]:
+              quiet: bool = False, seed: int = 0, warmup: int = 1) -> dict[str, Any]:
     from kvconnectors.store import StoreConfig, TieredStore
     from kvconnectors.store.sizes import format_size
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    if rounds < 1 or io_threads < 1 or block_tokens < 1 or entry_tokens < block_tokens:
+    if warmup < 0 or rounds < 1 or io_threads < 1 or block_tokens < 1 or entry_tokens < block_tokens:
         raise ValueError("rounds, io-threads, block-tokens >= 1 and entry-tokens >= block-tokens")
     p = PRESETS[preset]
     slot = p.token_bytes_per_layer * block_tokens
@@ -173,10 +193,10 @@ def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 1
         def ios() -> tuple[int, int]:
             return (nvme.write_ios, nvme.read_ios) if nvme is not None else (0, 0)
 
-        bar = progress(rounds * 4, f"tiers {format_size(budget)}", show_progress)
+        bar = progress((warmup + rounds) * 4, f"tiers {format_size(budget)}", show_progress)
         try:
-            for r in range(rounds):
-                row: dict[str, Any] = {"round": r, "first": "store" if r % 2 == 0 else "raw"}
+            for r in range(warmup + rounds):
+                row: dict[str, Any] = {"round": r - warmup, "warmup": r < warmup}
                 olds = [f"a{r}-{i}" for i in range(n_entries)]
                 news = [f"b{r}-{i}" for i in range(n_entries)]
                 bar.set_postfix_str("fill")
@@ -184,7 +204,7 @@ def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 1
                     put(k, i)
                 bar.update(1)
 
-                # ---- spill vs raw write
+                # ---- spill vs raw write (and raw write in the store's per-entry waves, a diagnostic)
                 def store_spill() -> None:
                     s0, w0 = store.stats.snapshot(), ios()[0]
                     for i, k in enumerate(news):
@@ -197,20 +217,25 @@ def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 1
                 def raw_write() -> None:
                     row["raw_write_s"] = raw.io(raw_buf, write=True)
 
+                def raw_write_waves() -> None:
+                    row["raw_write_waves_s"] = raw.io(raw_buf, write=True, wave_bytes=entry_bytes)
+
                 bar.set_postfix_str("spill / raw write")
-                for f in ((store_spill, raw_write) if r % 2 == 0 else (raw_write, store_spill)):
+                for f in _rotate([store_spill, raw_write, raw_write_waves], r):
                     f()
                 bar.update(1)
                 row["spilled_entries"] = sum(1 for k in olds if store.info(k).dram_slots == 0)
 
-                # ---- restore vs raw read, both cold
+                # ---- restore vs raw read, all cold
                 for k in news:
                     store.release(k)
-                drop_cache(store_file)
-                drop_cache(raw.path)
-                raw_buf[:] = 0
+
+                def cold() -> None:
+                    drop_cache(store_file)
+                    drop_cache(raw.path)
 
                 def store_restore() -> None:
+                    cold()
                     s0, r0 = store.stats.snapshot(), ios()[1]
                     for i, k in enumerate(olds):
                         with store.pinned_views(k) as pv:
@@ -227,15 +252,21 @@ def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 1
                     row["restore_ios"] = ios()[1] - r0
 
                 def raw_read() -> None:
+                    cold()
+                    raw_buf[:] = 0
                     row["raw_read_s"] = raw.io(raw_buf, write=False)
+                    if not np.array_equal(raw_buf, raw_expect):
+                        raise AssertionError("raw O_DIRECT read returned different bytes than were written")
+                    verified["raw_read"] = True
+
+                def raw_read_waves() -> None:
+                    cold()
+                    row["raw_read_waves_s"] = raw.io(raw_buf, write=False, wave_bytes=entry_bytes)
 
                 bar.set_postfix_str("restore / raw read")
-                for f in ((store_restore, raw_read) if r % 2 == 0 else (raw_read, store_restore)):
+                for f in _rotate([store_restore, raw_read, raw_read_waves], r):
                     f()
                 bar.update(1)
-                if not np.array_equal(raw_buf, raw_expect):
-                    raise AssertionError("raw O_DIRECT read returned different bytes than were written")
-                verified["raw_read"] = True
                 for k in olds:
                     store.release(k)
                 bar.update(1)
@@ -261,7 +292,7 @@ def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 1
 
     result = _result(rows, locals_=dict(preset=preset, slot=slot, blocks=blocks, entry_bytes=entry_bytes,
                                         n_entries=n_entries, budget=budget, io_bytes=io_bytes, io_threads=io_threads,
-                                        rounds=rounds, max_io_bytes=max_io_bytes, o_direct=o_direct,
+                                        rounds=rounds, warmup=warmup, max_io_bytes=max_io_bytes, o_direct=o_direct,
                                         entry_tokens=entry_tokens, block_tokens=block_tokens, parent=str(parent)),
                      io_mode=io_mode, mode_reasons=mode_reasons, raw_mode=raw_mode, verified=verified,
                      wall_s=time.perf_counter() - t_start)
@@ -298,25 +329,28 @@ def _result(rows: list[dict], locals_: dict, io_mode: dict, mode_reasons: dict, 
     for row in rows:
         row["spill_gbps"] = _gbps(row.get("spill_bytes", 0), row.get("spill_s", 0))
         row["restore_gbps"] = _gbps(row.get("restore_bytes", 0), row.get("restore_s", 0))
-        row["raw_write_gbps"] = _gbps(row["raw_bytes"], row.get("raw_write_s", 0))
-        row["raw_read_gbps"] = _gbps(row["raw_bytes"], row.get("raw_read_s", 0))
+        for k in ("raw_write", "raw_read", "raw_write_waves", "raw_read_waves"):
+            row[f"{k}_gbps"] = _gbps(row["raw_bytes"], row.get(f"{k}_s", 0))
         row["spill_vs_raw"] = ratio(row["spill_gbps"], row["raw_write_gbps"])
         row["restore_vs_raw"] = ratio(row["restore_gbps"], row["raw_read_gbps"])
-    summary = {k: _stat([r[k] for r in rows]) for k in
-               ("spill_gbps", "raw_write_gbps", "restore_gbps", "raw_read_gbps", "spill_vs_raw", "restore_vs_raw")}
+    timed = [r for r in rows if not r["warmup"]]
+    summary = {k: _stat([r[k] for r in timed]) for k in
+               ("spill_gbps", "raw_write_gbps", "raw_write_waves_gbps", "restore_gbps", "raw_read_gbps",
+                "raw_read_waves_gbps", "spill_vs_raw", "restore_vs_raw")}
     comparisons = []
     for ours, base, per_round in (("spill", "raw_write", "spill_vs_raw"), ("restore", "raw_read", "restore_vs_raw")):
         r = ratio(summary[f"{ours}_gbps"]["median"], summary[f"{base}_gbps"]["median"])
         comparisons.append({"ours": ours, "baseline": base, "ratio": r, "ratio_per_round_median":
                             summary[per_round]["median"], "target": TARGET, "met": None if r is None else r >= TARGET})
     c = locals_
-    spill_ios = sum(r.get("spill_ios", 0) for r in rows)
-    restore_ios = sum(r.get("restore_ios", 0) for r in rows)
+    spill_ios = sum(r.get("spill_ios", 0) for r in timed)
+    restore_ios = sum(r.get("restore_ios", 0) for r in timed)
     return {
         "benchmark": "tiers",
         "config": {"preset": c["preset"], "slot_bytes": c["slot"], "block_tokens": c["block_tokens"],
                    "entry_tokens": c["entry_tokens"], "entry_blocks": c["blocks"], "entry_bytes": c["entry_bytes"],
                    "entries_per_phase": c["n_entries"], "bytes_per_phase": c["budget"], "rounds": c["rounds"],
+                   "warmup_rounds": c["warmup"], "order": "store / raw / raw-in-waves, rotated each round",
                    "io_threads": c["io_threads"], "max_io_bytes": c["max_io_bytes"], "raw_io_bytes": c["io_bytes"],
                    "o_direct": c["o_direct"], "dir": c["parent"], "gb": "1e9 bytes",
                    "cold_reads": "fdatasync + posix_fadvise(DONTNEED) before each read phase; O_DIRECT bypasses "
@@ -325,8 +359,8 @@ def _result(rows: list[dict], locals_: dict, io_mode: dict, mode_reasons: dict, 
         "io_mode": {"store": io_mode, "store_reasons": mode_reasons, "raw": raw_mode},
         "store_io_diagnostics": {  # from the store's NVMe tier counters (a private attribute; diagnostics only)
             "spill_ios": spill_ios, "restore_ios": restore_ios,
-            "avg_spill_io_bytes": (sum(r.get("spill_bytes", 0) for r in rows) / spill_ios) if spill_ios else None,
-            "avg_restore_io_bytes": (sum(r.get("restore_bytes", 0) for r in rows) / restore_ios) if restore_ios
+            "avg_spill_io_bytes": (sum(r.get("spill_bytes", 0) for r in timed) / spill_ios) if spill_ios else None,
+            "avg_restore_io_bytes": (sum(r.get("restore_bytes", 0) for r in timed) / restore_ios) if restore_ios
             else None},
         "verified": verified,
         "rounds": rows,
@@ -340,16 +374,20 @@ def render(result: dict[str, Any]) -> str:
     c, s = result["config"], result["summary"]
     head = (f"tiers: {c['bytes_per_phase'] / 2**20:.0f} MiB per phase = {c['entries_per_phase']} entries x "
             f"{c['entry_bytes'] / 2**20:.1f} MiB (preset {c['preset']}, slot {c['slot_bytes'] // 1024} KiB), "
-            f"{c['rounds']} rounds, io_threads {c['io_threads']}, I/O size <= {c['raw_io_bytes'] / 2**20:.1f} MiB; "
+            f"{c['rounds']} rounds + {c['warmup_rounds']} warm-up, io_threads {c['io_threads']}, I/O size <= {c['raw_io_bytes'] / 2**20:.1f} MiB; "
             f"store NVMe mode {result['io_mode']['store']}, raw {'O_DIRECT' if result['io_mode']['raw']['direct'] else 'buffered'}")
+    def line(label: str, key: str, note: str = "") -> list:
+        return [label, s[key]["median"], s[key]["min"], s[key]["max"], note]
+
     rows = [
-        ["spill DRAM->NVMe (store)", s["spill_gbps"]["median"], s["spill_gbps"]["min"], s["spill_gbps"]["max"]],
-        ["raw O_DIRECT write", s["raw_write_gbps"]["median"], s["raw_write_gbps"]["min"], s["raw_write_gbps"]["max"]],
-        ["restore NVMe->DRAM (store)", s["restore_gbps"]["median"], s["restore_gbps"]["min"], s["restore_gbps"]["max"]],
-        ["raw O_DIRECT read (cold)", s["raw_read_gbps"]["median"], s["raw_read_gbps"]["min"],
-         s["raw_read_gbps"]["max"]],
+        line("spill DRAM->NVMe (store)", "spill_gbps", "delta spill_bytes / delta spill_seconds"),
+        line("raw O_DIRECT write", "raw_write_gbps", "baseline: one stream, io_threads in flight"),
+        line("  raw write, per-entry waves", "raw_write_waves_gbps", "diagnostic: the store's per-call barrier"),
+        line("restore NVMe->DRAM (store)", "restore_gbps", "delta restore_bytes / delta restore_seconds"),
+        line("raw O_DIRECT read (cold)", "raw_read_gbps", "baseline: one stream, io_threads in flight"),
+        line("  raw read, per-entry waves", "raw_read_waves_gbps", "diagnostic: the store's per-call barrier"),
     ]
-    t1 = table(["path", "GB/s med", "GB/s min", "GB/s max"], rows)
+    t1 = table(["path", "GB/s med", "GB/s min", "GB/s max", "note"], rows, align="lrrrl")
     crow = [[f"{x['ours']} / {x['baseline']}", x["ratio"], x["ratio_per_round_median"], f">= {x['target']}",
              "-" if x["met"] is None else ("met" if x["met"] else "MISSED")] for x in result["comparisons"]]
     t2 = table(["store / raw", "ratio (med)", "ratio per round (med)", "target", "verdict"], crow, align="lrrrl")
@@ -393,7 +431,7 @@ def _size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bytes", type=_size, default=256 << 20,
+    parser.add_argument("--bytes", type=_size, default="256MiB",
                         help="bytes spilled and restored per round (the DRAM budget); e.g. 256MiB, 1g")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="8b",
                         help="model KV geometry that sets the slot size (see bench transfer --help)")
@@ -402,16 +440,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per store entry (one request's KV: layers x blocks slots)")
     parser.add_argument("--io-threads", type=int, default=4,
                         help="the store's io_threads, and the raw baseline's I/Os in flight")
-    parser.add_argument("--max-io-bytes", type=_size, default=8 << 20,
+    parser.add_argument("--max-io-bytes", type=_size, default="8MiB",
                         help="the store's cap on one coalesced I/O, and the raw baseline's I/O size")
-    parser.add_argument("--rounds", type=int, default=3, help="spill + restore rounds (median reported)")
+    parser.add_argument("--rounds", type=int, default=3, help="timed spill + restore rounds (median reported)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed rounds first (the first writes into fallocated, still unwritten extents)")
     parser.add_argument("--o-direct", choices=["auto", "true", "false"], default="auto",
                         help="the store's o_direct setting (the raw file follows it)")
-    parser.add_argument("--dir", default=None,
-                        help="directory on the disk under test; a temporary folder is made (and removed) "
-                             "inside it (default: artifacts/bench/tmp in the repository)")
-    parser.add_argument("--out", default=None, help="output directory for the JSON and PNG "
-                                                    "(default: artifacts/bench in the repository)")
+    parser.add_argument("--dir", default=str(DEFAULT_OUT / "tmp"),
+                        help="directory on the disk under test; a temporary folder is made (and removed) inside it")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory for the JSON and PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -420,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_tiers(nbytes=args.bytes, preset=args.preset, block_tokens=args.block_tokens,
                            entry_tokens=args.entry_tokens, io_threads=args.io_threads, rounds=args.rounds,
-                           directory=args.dir, out=args.out, o_direct=o_direct, max_io_bytes=args.max_io_bytes,
+                           warmup=args.warmup, directory=args.dir, out=args.out, o_direct=o_direct, max_io_bytes=args.max_io_bytes,
                            show_progress=not args.no_progress)
     except ValueError as exc:
         print(f"kvconnectors bench tiers: {exc}", file=sys.stderr)
@@ -429,8 +467,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=description(__doc__),
+                                     formatter_class=HelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

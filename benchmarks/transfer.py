@@ -10,7 +10,8 @@
            shm          the same with data_path="shm" (store arena in /dev/shm, one copy)
            nixl         the same with data_path="nixl" (consumer NixlSink READs the producer arena)
   engines  nixl_direct  NIXL UCX agent-to-agent READ of the same layout, descriptor lists prepared
-                        once, progress threads off, both sides polling while the READ runs
+                        once, progress threads off: the initiator polls the transfer tightly, the
+                        target progresses its worker with our server's backoff policy while it runs
            mooncake     Mooncake TransferEngine, protocol tcp, P2PHANDSHAKE, batch_transfer_sync_read
 
 Layout (identical for every path): the producer holds the payload as num_layers x num_blocks slots
@@ -51,8 +52,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from benchmarks.common import (bar_chart, host_info, out_dir, progress, ratio, setup_env, summarize, table,
-                               write_json)
+from benchmarks.common import (DEFAULT_OUT, HelpFormatter, bar_chart, description, host_info, out_dir, progress,
+                               ratio, setup_env, summarize, table, write_json)
 
 setup_env()  # before anything can load NIXL / UCX / Mooncake; spawned children inherit it
 
@@ -805,8 +806,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds (the first one also verifies)")
     parser.add_argument("--paths", default="all",
                         help=f"comma-separated subset of: {', '.join(PATHS)} (or 'all')")
-    parser.add_argument("--out", default=None, help="output directory for the JSON and PNG "
-                                                    "(default: artifacts/bench in the repository)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory for the JSON and PNG")
     parser.add_argument("--no-checksum", action="store_true",
                         help="stage without checksums and read with verify=False (production default is on)")
     parser.add_argument("--seed", type=int, default=0, help="payload and block-table seed")
@@ -825,8 +825,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.transfer", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.transfer", description=description(__doc__),
+                                     formatter_class=HelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

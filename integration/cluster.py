@@ -43,7 +43,8 @@ def launcher_args(model: str, **options: Any) -> argparse.Namespace:
 class PDCluster:
     def __init__(self, model: str, *, connector: str = "TieredConnector", transport: str | None = None,
                  prefill: int = 1, decode: int = 1, kv_extra: dict | None = None, vllm_args: str = "",
-                 proxy_args: Sequence[str] = (), log_dir: Path | None = None, health_timeout: float = 300.0):
+                 proxy_args: Sequence[str] = (), log_dir: Path | None = None, health_timeout: float = 300.0,
+                 proxy_process: bool = False):
         import json
 
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvc-cluster-"))
@@ -54,8 +55,10 @@ class PDCluster:
         launcher.validate(self.args)
         self.plans = launcher.plan_instances(self.args)
         self.servers: list[VllmServer] = [launcher.build_server(p, self.args, self.log_dir) for p in self.plans]
+        self._extra_proxy_args = list(proxy_args)
         self.proxy_ns = launcher.parse_proxy_argv([*launcher.proxy_argv(self.plans, self.args), *proxy_args])
-        self._proxy: ProxyThread | None = None
+        self._proxy: ProxyThread | ProxyProcess | None = None
+        self._proxy_process = proxy_process  # its own process: no GIL shared with the caller
         self.proxy_url = ""
 
     @property
@@ -72,7 +75,9 @@ class PDCluster:
                 s.start(wait=False)
             for s in self.servers:
                 s.wait_healthy()
-            self._proxy = ProxyThread(self.proxy_ns).start()
+            argv = [*launcher.proxy_argv(self.plans, self.args), *self._extra_proxy_args]
+            self._proxy = (ProxyProcess(argv, self.proxy_ns, self.log_dir) if self._proxy_process
+                           else ProxyThread(self.proxy_ns)).start()
             self.proxy_url = self._proxy.url
         except BaseException:
             self.stop()
@@ -133,3 +138,46 @@ class ProxyThread:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
         self._loop = self._thread = None
+
+
+class ProxyProcess:
+    """The proxy as `python -m integration.proxy` in its own process group."""
+
+    def __init__(self, argv: Sequence[str], proxy_ns: argparse.Namespace, log_dir: Path):
+        self.argv, self.ns, self.log_path = list(argv), proxy_ns, log_dir / "proxy.log"
+        self.url = f"http://{proxy_ns.host}:{proxy_ns.port}"
+        self.proc: "subprocess.Popen[bytes] | None" = None
+
+    def start(self, timeout: float = 60.0) -> "ProxyProcess":
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        with open(self.log_path, "wb") as log_file:
+            self.proc = subprocess.Popen([sys.executable, "-m", "integration.proxy", *self.argv],
+                                         cwd=launcher.PACKAGE_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"proxy exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"proxy not healthy after {timeout} s")
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None

@@ -170,10 +170,220 @@ class NixlBackend(ConnectorBackend):
         return server_pd(self, model, prompts, max_tokens, fault=fault, policy=policy, workdir=workdir)
 
 
+# ============================================================================ MooncakeConnector
+
+MOONCAKE_DEVICE_QUERY = (
+    "MooncakeConnectorWorker.__init__ calls torch.accelerator.current_device_index() and "
+    "current_platform.set_device() (vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py:1186, "
+    "also :1944 in its sender threads), which raise 'RuntimeError: Cannot access accelerator device when none is "
+    "available.' on a CPU-only host")
+MOONCAKE_ENGINE_ON_CPU = (
+    MOONCAKE_DEVICE_QUERY + "; the worker-transfer area stubs that query in-process (the TCP TransferEngine then "
+    "moves the KV byte-exact), but a `vllm serve` engine cannot be stubbed: run this area on a GPU machine")
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    try:
+        return bool(torch.accelerator.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+class MooncakeBackend(ConnectorBackend):
+    """vLLM's MooncakeConnector over Mooncake's TCP TransferEngine (P2PHANDSHAKE, no etcd).
+    The producer pushes (batch_transfer_sync_write) once the consumer's request announces
+    itself; kv_transfer_params are injected by the proxy, not returned by the producer
+    (P: {do_remote_decode, transfer_id}; D: {do_remote_prefill, remote_bootstrap_addr,
+    remote_engine_id, transfer_id}). On a CPU-only host its worker needs a device-query stub
+    (`worker_context`), see MOONCAKE_DEVICE_QUERY."""
+
+    name = "MooncakeConnector"
+    kv_connector = "MooncakeConnector"
+    capabilities = Capabilities(async_load=True, pd_push=True, failure_reporting=True, hma=True,
+                                runs_on_cpu=True, needs_two_engines=True)
+    needs_parallel_state = True   # its worker reads the TP rank and size in __init__
+
+    @property
+    def skips(self) -> dict[str, str]:  # type: ignore[override]
+        if _has_accelerator():
+            return {}
+        return {"engine": MOONCAKE_ENGINE_ON_CPU, "test_engine_load_failure_policy": MOONCAKE_ENGINE_ON_CPU}
+
+    def unavailable(self) -> str | None:
+        try:
+            from mooncake.engine import TransferEngine  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            return (f"mooncake does not import ({type(exc).__name__}: {exc}); pip install "
+                    "mooncake-transfer-engine-non-cuda and apt-get install libibverbs1")
+        return super().unavailable()
+
+    def extra_config(self, role: str) -> dict[str, Any]:
+        return {"mooncake_protocol": "tcp", "num_workers": 2}
+
+    def environment(self, role: str, instance: str) -> dict[str, str]:
+        # One bootstrap (HTTP) port per producer engine; the default 8998 would clash.
+        ports = self.__dict__.setdefault("_ports", {})
+        if instance not in ports:
+            ports[instance] = str(_closed_port())
+        return {"VLLM_MOONCAKE_BOOTSTRAP_PORT": ports[instance]}
+
+    def worker_context(self) -> Any:
+        import contextlib
+        from unittest import mock
+
+        stack = contextlib.ExitStack()
+        if not _has_accelerator():
+            import torch
+            from vllm.platforms import current_platform
+
+            stack.enter_context(mock.patch.object(torch.accelerator, "current_device_index", lambda: 0))
+            stack.enter_context(mock.patch.object(type(current_platform), "set_device",
+                                                  lambda *args, **kwargs: None))
+        return stack
+
+    def producer_params(self) -> dict[str, Any] | None:
+        return {"do_remote_decode": True, "transfer_id": f"conformance-xfer-{next(self._seq)}"}
+
+    def consumer_params(self, producer_params: dict[str, Any] | None, *, sent: dict[str, Any] | None = None,
+                        producer: Any = None) -> dict[str, Any] | None:
+        # What Mooncake's proxy injects: the producer's bootstrap server, engine id, and the
+        # transfer id it gave the producer request.
+        if producer is None or sent is None:
+            raise NotImplementedError(f"{self.name}: consumer params need the producer engine and its request params")
+        return {"do_remote_prefill": True,
+                "remote_bootstrap_addr": f"http://127.0.0.1:{producer.env['VLLM_MOONCAKE_BOOTSTRAP_PORT']}",
+                "remote_engine_id": producer.vllm_config.kv_transfer_config.engine_id,
+                "transfer_id": sent["transfer_id"]}
+
+    def prepare_consumer(self, harness: Any, prompt: list[int]) -> dict[str, Any] | None:
+        # The proxy's D-side params for a producer that is not there (scheduler-only tests).
+        return {"do_remote_prefill": True, "remote_bootstrap_addr": f"http://127.0.0.1:{_closed_port()}",
+                "remote_engine_id": "conformance-remote-producer", "transfer_id": f"conformance-xfer-{next(self._seq)}"}
+
+    def expected_load_tokens(self, prompt_len: int) -> int | None:
+        return prompt_len
+
+    def fault_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        # The bootstrap server answers, but knows no such engine: "remote engine_id ... not found".
+        return dict(params or {}, remote_engine_id="conformance-wrong-engine-id")
+
+
+# ============================================================================ OffloadingConnector
+
+OFFLOADING_WORKER_ON_CPU = (
+    "the worker fails in register_kv_caches: 'Exception: CPU Offloading is currently only supported on "
+    "CUDA-alike and XPU GPUs' (vllm/v1/kv_offload/cpu/spec.py:200, CPUOffloadingSpec.get_worker; its transfer "
+    "handlers use torch.cuda.Stream)")
+OFFLOADING_NO_BACKDOOR = (
+    "a loadable prompt needs blocks the CPUOffloadingManager holds by block hash after a worker-confirmed store "
+    "(OffloadingWorkerMetadata); the scheduler-only harness has no backdoor for that yet, and the worker side "
+    "cannot run here (" + OFFLOADING_WORKER_ON_CPU + ")")
+
+
+class OffloadingBackend(ConnectorBackend):
+    """vLLM's OffloadingConnector (CPUOffloadingSpec): offloads to host memory of the *same*
+    engine and loads back asynchronously by block hash; no P/D params. Its scheduler side runs on
+    CPU; its worker needs a CUDA-alike or XPU device."""
+
+    name = "OffloadingConnector"
+    kv_connector = "OffloadingConnector"
+    capabilities = Capabilities(async_load=True, hma=True, runs_on_cpu=False)
+    skips = {"worker_transfer": OFFLOADING_WORKER_ON_CPU, "engine": OFFLOADING_WORKER_ON_CPU,
+             "test_injected_load_failure_reaches_scheduler": OFFLOADING_WORKER_ON_CPU,
+             "test_engine_load_failure_policy": OFFLOADING_WORKER_ON_CPU}
+
+    def extra_config(self, role: str) -> dict[str, Any]:
+        return {"cpu_bytes_to_use": 16 << 20}
+
+    def producer_params(self) -> dict[str, Any] | None:
+        return None
+
+    def prepare_consumer(self, harness: Any, prompt: list[int]) -> dict[str, Any] | None:
+        import pytest
+
+        pytest.skip(f"{self.name}: {OFFLOADING_NO_BACKDOOR}")
+
+
+# ============================================================================ LMCacheConnectorV1
+
+class LMCacheBackend(ConnectorBackend):
+    """vLLM's LMCacheConnectorV1 (a facade over lmcache's vllm_v1_adapter): content-addressed,
+    synchronous loads (optionally layer-wise). Not installable here: `unavailable()` reports the
+    import error as raised. Unverified on a GPU machine (see docs/conformance.md)."""
+
+    name = "LMCacheConnectorV1"
+    kv_connector = "LMCacheConnectorV1"
+    capabilities = Capabilities(async_load=False, runs_on_cpu=False)
+
+    def unavailable(self) -> str | None:
+        try:
+            import lmcache.integration.vllm.vllm_v1_adapter  # noqa: F401  (what the connector imports)
+        except Exception as exc:  # noqa: BLE001
+            return (f"{type(exc).__name__}: {exc} (raised by LMCacheConnectorV1.__init__, "
+                    "vllm/distributed/kv_transfer/kv_connector/v1/lmcache_connector.py:102; pip install lmcache)")
+        return super().unavailable()
+
+    def extra_config(self, role: str) -> dict[str, Any]:
+        return {"lmcache.local_cpu": True, "lmcache.max_local_cpu_size": 1, "lmcache.chunk_size": self.block_size}
+
+    def producer_params(self) -> dict[str, Any] | None:
+        return None
+
+    def prepare_consumer(self, harness: Any, prompt: list[int]) -> dict[str, Any] | None:
+        import pytest
+
+        pytest.skip(f"{self.name}: content-addressed store with no scheduler-only backdoor; covered by the worker "
+                    "and engine areas")
+
+
+# ============================================================================ MultiConnector
+
+class MultiBackend(ConnectorBackend):
+    """vLLM's MultiConnector composing TieredConnector (first: it owns every request it
+    matches) with ExampleConnector (second: it also stores every new prompt to files)."""
+
+    name = "MultiConnector(TieredConnector+ExampleConnector)"
+    kv_connector = "MultiConnector"
+    capabilities = Capabilities(async_load=True, pd_pull=True, failure_reporting=True, runs_on_cpu=True)
+
+    def kv_transfer_config(self, role: str, *, policy: str = "fail",
+                           extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        # Fault/corruption settings belong to the Tiered child.
+        tiered = {"kv_connector": TieredBackend.kv_connector, "kv_connector_module_path": TieredBackend.module_path,
+                  "kv_role": role,
+                  "kv_connector_extra_config": {**TieredBackend.extra_config(self, role), **(extra or {})}}
+        example = {"kv_connector": ExampleBackend.kv_connector, "kv_role": role,
+                   "kv_connector_extra_config": ExampleBackend.extra_config(self, role)}
+        return {"kv_connector": "MultiConnector", "kv_role": role, "kv_load_failure_policy": policy,
+                "kv_connector_extra_config": {"connectors": [tiered, example]}}
+
+    def extra_config(self, role: str) -> dict[str, Any]:
+        raise AssertionError("MultiBackend builds per-child extra configs in kv_transfer_config")
+
+    # children's hooks, called with this instance (they read only self.block_size / tmp_path)
+    def prepare_scheduler(self, harness: Any) -> None:
+        TieredBackend.prepare_scheduler(self, harness)
+
+    def expected_load_tokens(self, prompt_len: int) -> int | None:
+        return prompt_len
+
+    def fault_extra(self) -> dict[str, Any] | None:
+        return TieredBackend.fault_extra(self)
+
+    def corrupt_extra(self) -> dict[str, Any] | None:
+        return TieredBackend.corrupt_extra(self)
+
+
 # ============================================================================ registry
 
 BACKENDS: dict[str, type[ConnectorBackend]] = {
     "TieredConnector": TieredBackend,
     "ExampleConnector": ExampleBackend,
     "NixlConnector": NixlBackend,
+    "MooncakeConnector": MooncakeBackend,
+    "LMCacheConnectorV1": LMCacheBackend,
+    "OffloadingConnector": OffloadingBackend,
+    "MultiConnector": MultiBackend,
 }

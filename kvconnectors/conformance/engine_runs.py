@@ -44,35 +44,47 @@ def colocated(model: str, prompts: list[list[int]], max_tokens: int) -> list[lis
     return _colocated_cache[key]
 
 
-def _fault_extra(backend: "ConnectorBackend", fault: str | None) -> dict[str, Any]:
+def _fault(backend: "ConnectorBackend", fault: str | None) -> tuple[dict[str, Any], Any]:
+    """(extra config, consumer-params rewrite) for `fault`; skips when the backend has no hook."""
     import pytest
 
+    def same(p: Any) -> Any:
+        return p
+
     if fault is None:
-        return {}
-    extra = backend.corrupt_extra() if fault == "corrupt" else backend.fault_extra()
-    if extra is None:
-        pytest.skip(f"{backend.name}: no {'corruption' if fault == 'corrupt' else 'load-failure'} hook "
-                    f"({'corrupt_extra' if fault == 'corrupt' else 'fault_extra'}() returns None)")
-    return extra
+        return {}, same
+    if fault == "corrupt":
+        extra = backend.corrupt_extra()
+        if extra is None:
+            pytest.skip(f"{backend.name}: no corruption hook (corrupt_extra() returns None)")
+        return extra, same
+    extra = backend.fault_extra()
+    if extra is not None:
+        return extra, same
+    if backend.fault_params({"probe": True}) is not None:
+        return {}, backend.fault_params
+    pytest.skip(f"{backend.name}: no load-failure hook (fault_extra() and fault_params() return None)")
 
 
 def one_engine_pd(backend: "ConnectorBackend", model: str, prompts: list[list[int]], max_tokens: int, *,
                   fault: str | None = None, policy: str = "fail") -> PDRun:
-    from kvconnectors.testing.engines import llm_engine
-    from kvconnectors.testing.pd import assert_engine_idle, decode, prefill, worker_connector
+    from kvconnectors.testing.engines import generate_outputs, llm_engine
+    from kvconnectors.testing.pd import assert_engine_idle, worker_connector
 
-    cfg = backend.kv_transfer_config(backend.engine_role, policy=policy, extra=_fault_extra(backend, fault))
+    extra, params_fn = _fault(backend, fault)
+    cfg = backend.kv_transfer_config(backend.engine_role, policy=policy, extra=extra)
     with llm_engine(model, kv_transfer_config=cfg) as llm:
-        tickets = prefill(llm, prompts)
-        outs = decode(llm, prompts, [backend.consumer_params(t) for t in tickets], max_tokens)
+        sent = [backend.producer_params() for _ in prompts]
+        tickets = [o.kv_transfer_params for o in generate_outputs(llm, prompts, 1, sent)]
+        consumer = [params_fn(backend.consumer_params(t, sent=s)) for t, s in zip(tickets, sent)]
+        outs = generate_outputs(llm, prompts, max_tokens, consumer)
         notes: dict[str, Any] = {}
-        w = worker_connector()
-        totals = getattr(getattr(w, "connector_worker", None), "totals", None)
+        totals = getattr(getattr(worker_connector(), "connector_worker", None), "totals", None)
         if totals is not None:
             notes["worker_totals"] = dict(totals.data)
         assert_engine_idle(llm)
     return PDRun(token_ids=[list(o.outputs[0].token_ids) for o in outs],
-                 finish_reasons=[o.outputs[0].finish_reason for o in outs], producer_params=list(tickets),
+                 finish_reasons=[o.outputs[0].finish_reason for o in outs], producer_params=tickets,
                  notes=notes)
 
 
@@ -122,7 +134,7 @@ def server_pd(backend: "ConnectorBackend", model: str, prompts: list[list[int]],
 
     from kvconnectors.serving import VllmServer, complete
 
-    extra = _fault_extra(backend, fault)
+    extra, params_fn = _fault(backend, fault)
     servers: list[VllmServer] = []
     try:
         for i, role in enumerate((backend.producer_role, backend.consumer_role)):
@@ -139,13 +151,14 @@ def server_pd(backend: "ConnectorBackend", model: str, prompts: list[list[int]],
         name = prefill_srv.served_model_name
         token_ids, reasons, params = [], [], []
         for p in prompts:
-            first = complete(prefill_srv.url, p, model=name, max_tokens=1,
-                             kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False}, timeout=120)
+            sent = backend.producer_params()
+            first = complete(prefill_srv.url, p, model=name, max_tokens=1, kv_transfer_params=sent, timeout=120)
             ktp = first.get("kv_transfer_params")
             params.append(ktp)
             try:
                 resp = complete(decode_srv.url, p, model=name, max_tokens=max_tokens,
-                                kv_transfer_params=backend.consumer_params(ktp), timeout=120)
+                                kv_transfer_params=params_fn(backend.consumer_params(ktp, sent=sent)),
+                                timeout=120)
             except urllib.error.HTTPError as exc:
                 if exc.code != 500:
                     raise

@@ -138,9 +138,10 @@ class FailureReportingTests:
                 else:
                     assert reason == "length", (
                         f"{self.name}: policy 'recompute': {rid} finished {reason!r}, expected 'length'")
-                    assert scheduled.get(rid, 0) >= len(prompt) - 1, (
-                        f"{self.name}: policy 'recompute': {rid} never recomputed its {len(prompt)}-token prompt "
-                        f"(largest step {scheduled.get(rid, 0)} tokens)")
+                    # Rescheduled after the failure. Not necessarily a full prefill: a
+                    # MultiConnector may serve the retry from another child's store.
+                    assert scheduled.get(rid, 0) > 0, (
+                        f"{self.name}: policy 'recompute': {rid} was never scheduled after its failed load")
             # A producer whose consumer failed before reading keeps its blocks until its own
             # lease/timeout (fault_params): only then is the producer exempt from the leak check.
             for h in (consumer,) if by_params else (producer, consumer):

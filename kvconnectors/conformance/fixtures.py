@@ -69,14 +69,14 @@ class ConnectorBackend:
         reason = type(self)._unavailable_cached()
         if reason:
             pytest.skip(f"{self.name}: unavailable here: {reason}")
+        area = area_of(type(self), base)
+        for key in (test, base, area):  # precise known reasons first
+            if key and key in self.skips:
+                pytest.skip(f"{self.name}: {self.skips[key]}")
         fn = getattr(request, "function", None)
         if fn is not None:
             for cap in missing(self.capabilities, fn):
                 pytest.skip(skip_reason(self.name, cap))
-        area = area_of(type(self), base)
-        for key in (test, base, area):
-            if key and key in self.skips:
-                pytest.skip(f"{self.name}: {self.skips[key]}")
         for key in (test, base):
             if key in self.xfail:
                 request.applymarker(pytest.mark.xfail(reason=f"{self.name}: known issue: {self.xfail[key]}",
@@ -172,9 +172,19 @@ class ConnectorBackend:
                         "the params a consumer needs (override prepare_consumer if the connector needs none)")
         return dict(params)
 
-    def consumer_params(self, producer_params: dict[str, Any] | None) -> dict[str, Any] | None:
-        """What a P/D proxy forwards to the consumer, given the producer's response params."""
+    def consumer_params(self, producer_params: dict[str, Any] | None, *, sent: dict[str, Any] | None = None,
+                        producer: Any = None) -> dict[str, Any] | None:
+        """What a P/D proxy forwards to the consumer: by default the params the producer's
+        response carried. `sent` is what the producer request carried, `producer` the producer
+        engine (an `EngineHarness` in worker tests), for proxies that inject params themselves."""
         return producer_params
+
+    def worker_context(self) -> Any:
+        """A context manager held while worker-side connector objects live in this process
+        (e.g. to stub a device query on the CPU platform). Default: nothing."""
+        import contextlib
+
+        return contextlib.nullcontext()
 
     def expected_load_tokens(self, prompt_len: int) -> int | None:
         """How many tokens a consumer of a `prompt_len` prompt should get from the connector

@@ -172,6 +172,19 @@ def create_model_runner_output(req_ids: list[str], sampled: dict[str, list[int]]
                              kv_connector_output=kv_connector_output)
 
 
+def request_block_hasher(vllm_config: Any) -> Any | None:
+    """The block hasher EngineCore gives every Request when prefix caching or a KV connector
+    is on (vllm/v1/engine/core.py)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    if not (vllm_config.cache_config.enable_prefix_caching or vllm_config.kv_transfer_config is not None):
+        return None
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(vllm_config.cache_config.block_size, hash_fn)
+
+
 # ------------------------------------------------------------------------------------ checks
 
 def scheduler_leaks(scheduler: Any) -> list[str]:
@@ -259,6 +272,7 @@ class SchedulerHarness:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config or create_kv_cache_config(vllm_config, num_blocks)
         self.scheduler = create_scheduler(vllm_config, self.kv_cache_config)
+        self.block_hasher = request_block_hasher(vllm_config)
         self.worker: WorkerStep | None = None
         self.outputs: dict[str, list[Any]] = defaultdict(list)
         self.finished: dict[str, Any] = {}     # req_id -> the EngineCoreOutput that finished it
@@ -307,6 +321,11 @@ class SchedulerHarness:
 
     # -------------------------------------------------------------- driving
     def add(self, request: Any) -> Any:
+        """Add a request, first giving it this engine's block hasher (as EngineCore does when
+        building Requests: connectors such as OffloadingConnector key KV by block hash)."""
+        if self.block_hasher is not None and getattr(request, "_block_hasher", False) is None:
+            request._block_hasher = self.block_hasher
+            request.update_block_hashes()
         self.scheduler.add_request(request)
         return request
 

@@ -36,7 +36,8 @@ class Transfer:
     prompts: list[list[int]]
     src_blocks: dict[int, list[int]] = field(default_factory=dict)    # prompt index -> producer blocks
     landings: dict[int, Landing] = field(default_factory=dict)         # prompt index -> consumer landing
-    producer_params: dict[int, Any] = field(default_factory=dict)
+    producer_params: dict[int, Any] = field(default_factory=dict)    # what the producer's response carried
+    sent_params: dict[int, Any] = field(default_factory=dict)        # what the producer request carried
     failed_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
@@ -47,6 +48,7 @@ class Transfer:
 def engine_pair(backend: Any, **kwargs: Any):
     stack = contextlib.ExitStack()
     with stack:
+        stack.enter_context(backend.worker_context())
         if backend.needs_parallel_state:
             from kvconnectors.conformance.harness import create_vllm_config
 
@@ -91,8 +93,8 @@ def run_transfer(backend: Any, producer: Any, consumer: Any, prompts: list[list[
     producer.on_step.append(on_producer)
     consumer.on_step.append(on_consumer)
     for name, i in pid.items():
-        producer.sched.add(create_request(name, prompts[i], max_tokens=1,
-                                          kv_transfer_params=backend.producer_params()))
+        t.sent_params[i] = backend.producer_params()
+        producer.sched.add(create_request(name, prompts[i], max_tokens=1, kv_transfer_params=t.sent_params[i]))
     deadline = time.monotonic() + backend.timeout_s
     while not set(pid) <= set(producer.sched.finished):
         assert time.monotonic() < deadline, (
@@ -102,7 +104,7 @@ def run_transfer(backend: Any, producer: Any, consumer: Any, prompts: list[list[
     for name, i in pid.items():
         t.producer_params[i] = producer.sched.finished[name].kv_transfer_params
     for name, i in cid.items():
-        params = backend.consumer_params(t.producer_params[i])
+        params = backend.consumer_params(t.producer_params[i], sent=t.sent_params[i], producer=producer)
         if params_hook is not None:
             params = params_hook(params)
         consumer.sched.add(create_request(name, prompts[i], max_tokens=consumer_max_tokens,

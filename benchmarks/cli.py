@@ -1,0 +1,53 @@
+"""`kvconnectors bench <benchmark>`: the benchmark sub-commands.
+
+    kvconnectors bench transfer --preset 8b --tokens 2048 --block-tokens 16
+    kvconnectors bench tiers --bytes 256MiB
+
+Each benchmark module also runs on its own: `python -m benchmarks.transfer`, `python -m benchmarks.tiers`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from benchmarks.common import HelpFormatter, description
+
+# name -> (module, one-line help); modules are imported only when their sub-command is parsed
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "transfer": ("benchmarks.transfer",
+                 "KV of N tokens through memcpy, a raw socket, our tcp/shm/nixl, NIXL and Mooncake, side by side."),
+    "tiers": ("benchmarks.tiers", "The store's spill/restore GB/s beside raw O_DIRECT writes/reads of the same bytes."),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    import importlib
+
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=description(module.__doc__) or help_text,
+                           formatter_class=HelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_bench_run=module.run)
+    parser.set_defaults(_bench_help=parser.format_help)
+
+
+def run(args: argparse.Namespace) -> int:
+    bench = getattr(args, "_bench_run", None)
+    if bench is None:
+        help_text = getattr(args, "_bench_help", None)
+        print(help_text() if help_text else "choose a benchmark: " + ", ".join(BENCHMARKS), file=sys.stderr)
+        return 2
+    return int(bench(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cli", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

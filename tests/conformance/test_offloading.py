@@ -1,0 +1,11 @@
+"""Conformance run of Offloading (see kvconnectors/conformance/backends.py for what it declares and why
+some areas skip on a CPU-only host)."""
+
+from kvconnectors.conformance import (EngineEndToEndTests, FailureReportingTests, SchedulerContractTests,
+                                      WorkerTransferTests)
+from kvconnectors.conformance.backends import OffloadingBackend
+
+
+class TestOffloading(OffloadingBackend, SchedulerContractTests, WorkerTransferTests, EngineEndToEndTests,
+               FailureReportingTests):
+    pass
