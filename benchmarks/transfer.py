@@ -791,8 +791,7 @@ def _plot(result: dict[str, Any], path) -> None:
               [KIND_COLOR[s["kind"]] for _, s in ok],
               title=(f"KV transfer, preset {c['preset']}, {c['tokens']} tokens, block {c['block_tokens']} "
                      f"({c['total_bytes'] / 2**20:.0f} MiB), checksums {'on' if c['checksum'] else 'off'}"),
-              notes=notes, legend=[("limit", KIND_COLOR["limit"]), ("ours", KIND_COLOR["ours"]),
-                                   ("engine", KIND_COLOR["engine"])])
+              notes=notes, legend=[(k, c) for k, c in KIND_COLOR.items() if any(s["kind"] == k for _, s in ok)])
 
 
 # ============================================================================== command line

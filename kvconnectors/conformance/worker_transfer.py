@@ -64,17 +64,27 @@ def run_transfer(backend: Any, producer: Any, consumer: Any, prompts: list[list[
     """Prefill `prompts` on the producer, load and decode them on the consumer; returns what
     landed where. Both engines are stepped until every consumer request finished and (with
     `wait_for_producer`) the producer holds no blocks for sending; bounded by
-    `backend.timeout_s`. `params_hook` may rewrite the params handed to the consumer."""
+    `backend.timeout_s`. `params_hook` may rewrite the params handed to the consumer.
+
+    Checked on every step (the get_finished contract): finished_sending only for ids that were
+    passed in finished_req_ids, finished_recving only for requests that were loading."""
     from vllm.v1.request import RequestStatus
 
     t = Transfer(prompts=prompts)
     pid = {f"p{i}": i for i in range(len(prompts))}
     cid = {f"c{i}": i for i in range(len(prompts))}
+    finished_seen: set[str] = set()
+    violations: list[str] = []
 
     def on_producer(so: Any, out: Any) -> None:
         for r in so.scheduled_new_reqs:
             if r.req_id in pid:
                 t.src_blocks[pid[r.req_id]] = list(r.block_ids[0])
+        # get_finished contract: a finished_sending id must have been passed in finished_req_ids.
+        finished_seen.update(so.finished_req_ids)
+        for r in out.finished_sending or ():
+            if r not in finished_seen:
+                violations.append(f"producer reported finished_sending {r!r} before it was in finished_req_ids")
 
     def on_consumer(so: Any, out: Any) -> None:
         for r in so.scheduled_new_reqs:
@@ -85,6 +95,8 @@ def run_transfer(backend: Any, producer: Any, consumer: Any, prompts: list[list[
         t.failed_recving |= set(out.failed_recving or ())
         t.invalid_block_ids |= set(out.invalid_block_ids or ())
         t.finished_recving |= set(out.finished_recving or ())
+        for r in set(out.finished_recving or ()) - set(cid):
+            violations.append(f"consumer reported finished_recving {r!r}, a request that never loaded")
         for rid, i in cid.items():
             ids = consumer.sched.block_ids(rid)
             if ids:
@@ -127,6 +139,7 @@ def run_transfer(backend: Any, producer: Any, consumer: Any, prompts: list[list[
     consumer.sched.drain(release_held=False)
     if wait_for_producer:
         producer.sched.drain(release_held=False)
+    assert not violations, f"{backend.name}: " + "; ".join(violations[:4])
     return t
 
 
@@ -182,24 +195,3 @@ class WorkerTransferTests:
         self._check_landings(t, producer, require_load=set(range(len(prompts))))
         for h in (producer, consumer):
             h.sched.assert_empty("block-edge transfer")
-
-    @requires("runs_on_cpu")
-    def test_finished_sending_only_for_finished_requests(self, pair: Any) -> None:
-        """get_finished contract: ids in finished_sending must have been passed in some
-        finished_req_ids; ids in finished_recving must be requests that were loading."""
-        producer, consumer = pair
-        finished_seen: set[str] = set()
-        violations: list[str] = []
-
-        def watch(so: Any, out: Any) -> None:
-            finished_seen.update(so.finished_req_ids)
-            for r in out.finished_sending or ():
-                if r not in finished_seen:
-                    violations.append(f"finished_sending {r} before it was in finished_req_ids")
-
-        producer.on_step.append(watch)
-        prompts = token_prompts([self.prompt_lengths[0]] * 2, seed=25)
-        t = run_transfer(self, producer, consumer, prompts)
-        assert not violations, f"{self.name}: " + "; ".join(violations)
-        unknown = t.finished_recving - {f"c{i}" for i in range(len(prompts))}
-        assert not unknown, f"{self.name}: finished_recving reported requests {unknown} that never loaded"
