@@ -374,8 +374,9 @@ def render(result: dict[str, Any]) -> str:
     c, s = result["config"], result["summary"]
     head = (f"tiers: {c['bytes_per_phase'] / 2**20:.0f} MiB per phase = {c['entries_per_phase']} entries x "
             f"{c['entry_bytes'] / 2**20:.1f} MiB (preset {c['preset']}, slot {c['slot_bytes'] // 1024} KiB), "
-            f"{c['rounds']} rounds + {c['warmup_rounds']} warm-up, io_threads {c['io_threads']}, I/O size <= {c['raw_io_bytes'] / 2**20:.1f} MiB; "
-            f"store NVMe mode {result['io_mode']['store']}, raw {'O_DIRECT' if result['io_mode']['raw']['direct'] else 'buffered'}")
+            f"{c['rounds']} rounds + {c['warmup_rounds']} warm-up, io_threads {c['io_threads']}, "
+            f"I/O size <= {c['raw_io_bytes'] / 2**20:.1f} MiB; store NVMe mode {result['io_mode']['store']}, "
+            f"raw {'O_DIRECT' if result['io_mode']['raw']['direct'] else 'buffered'}")
     def line(label: str, key: str, note: str = "") -> list:
         return [label, s[key]["median"], s[key]["min"], s[key]["max"], note]
 
@@ -396,7 +397,8 @@ def render(result: dict[str, Any]) -> str:
     if diag["avg_spill_io_bytes"]:
         extra.append(f"store I/Os: spill {diag['spill_ios']} (avg {diag['avg_spill_io_bytes'] / 2**20:.2f} MiB), "
                      f"restore {diag['restore_ios']} (avg {(diag['avg_restore_io_bytes'] or 0) / 2**20:.2f} MiB)")
-    extra.append(f"verified: restored bytes {result['verified']['restore']}, raw read-back {result['verified']['raw_read']}")
+    v = result["verified"]
+    extra.append(f"verified: restored bytes {v['restore']}, raw read-back {v['raw_read']}")
     files = result.get("files", {})
     if files:
         extra.append(f"JSON {files.get('json')}\nPNG  {files.get('png')}")
@@ -458,7 +460,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_tiers(nbytes=args.bytes, preset=args.preset, block_tokens=args.block_tokens,
                            entry_tokens=args.entry_tokens, io_threads=args.io_threads, rounds=args.rounds,
-                           warmup=args.warmup, directory=args.dir, out=args.out, o_direct=o_direct, max_io_bytes=args.max_io_bytes,
+                           warmup=args.warmup, directory=args.dir, out=args.out, o_direct=o_direct,
+                           max_io_bytes=args.max_io_bytes,
                            show_progress=not args.no_progress)
     except ValueError as exc:
         print(f"kvconnectors bench tiers: {exc}", file=sys.stderr)

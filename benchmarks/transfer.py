@@ -86,7 +86,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "8b": Preset("8b", 32, 8, 128, "bfloat16", 2, "Llama-3-8B-like: 32 layers x 8 KV heads x 128, bf16 (128 KiB/token)"),
+    "8b": Preset("8b", 32, 8, 128, "bfloat16", 2,
+                 "Llama-3-8B-like: 32 layers x 8 KV heads x 128, bf16 (128 KiB/token)"),
     "70b": Preset("70b", 80, 8, 128, "bfloat16", 2, "Llama-3-70B-like GQA: 80 layers x 8 KV heads x 128, bf16 "
                                                    "(320 KiB/token)"),
     "tiny": Preset("tiny", 2, 2, 32, "float32", 4, "the project's tiny test model: 2 layers x 2 KV heads x 32, "

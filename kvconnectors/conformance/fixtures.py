@@ -232,6 +232,10 @@ class ConnectorBackend:
         Default: one in-process engine with kv_role `engine_role` (kvconnectors.testing.pd)."""
         from kvconnectors.conformance.engine_runs import one_engine_pd
 
+        if self.capabilities.needs_two_engines:
+            pytest.skip(f"{self.name}: declares needs_two_engines but its backend overrides no run_pd hook to run "
+                        "a live producer/consumer pair (see engine_runs.server_pd)")
+
         return one_engine_pd(self, model, prompts, max_tokens, fault=fault, policy=policy)
 
 

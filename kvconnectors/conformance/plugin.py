@@ -43,9 +43,19 @@ def item_area(item: Any) -> str | None:
     return area_of(cls, getattr(item, "originalname", item.name))
 
 
+# Backstop per area (pytest-timeout), for hangs below the suite's own bounded waits (e.g. a
+# transport thread that never returns in a C extension). A test's own timeout mark wins.
+AREA_TIMEOUT_S = {"scheduler_contract": 120, "worker_transfer": 180, "failure_reporting": 180, "engine": 900}
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    has_timeout = config.pluginmanager.hasplugin("timeout")
     for item in items:
-        _areas[item.nodeid] = item_area(item)
+        area = _areas[item.nodeid] = item_area(item)
+        if has_timeout and area in AREA_TIMEOUT_S and item.get_closest_marker("timeout") is None:
+            import pytest
+
+            item.add_marker(pytest.mark.timeout(AREA_TIMEOUT_S[area]))
     wanted = {a.strip() for a in os.environ.get(ENV_AREAS, "").split(",") if a.strip()}
     if not wanted:
         return

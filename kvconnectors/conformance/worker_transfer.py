@@ -195,3 +195,44 @@ class WorkerTransferTests:
         self._check_landings(t, producer, require_load=set(range(len(prompts))))
         for h in (producer, consumer):
             h.sched.assert_empty("block-edge transfer")
+
+    @requires("runs_on_cpu")
+    def test_corruption_is_visible(self) -> None:
+        """Negative control: with the backend's corruption hook on (bytes changed in flight,
+        integrity checks off), the byte comparison above must see the damage, or it proves
+        nothing."""
+        extra = self.corrupt_extra()
+        if extra is None:
+            pytest.skip(f"{self.name}: no corruption hook (corrupt_extra() returns None)")
+        prompts = token_prompts([self.prompt_lengths[0]], seed=27)
+        with engine_pair(self, producer_extra=extra, consumer_extra=extra) as (producer, consumer):
+            t = run_transfer(self, producer, consumer, prompts)
+            landing = t.landings[0]
+            assert landing.num_computed_tokens > 0, f"{self.name}: nothing loaded under the corruption hook"
+            diffs = compare_blocks(producer.block_bytes(t.src_blocks[0], landing.num_computed_tokens), landing.data)
+            assert diffs, (f"{self.name}: corrupt_extra() is on but the {landing.num_computed_tokens} loaded tokens "
+                           "arrived intact: the hook corrupts nothing")
+
+    @requires("layerwise_load", "runs_on_cpu")
+    def test_layer_is_loaded_when_wait_for_layer_load_returns(self, pair: Any) -> None:
+        """Layer-wise loading: when wait_for_layer_load(layer) returns in the step that first
+        runs a consumer request, that layer's loaded blocks already equal the source."""
+        producer, consumer = pair
+        prompts = token_prompts([self.prompt_lengths[0]], seed=29)
+        seen: dict[str, Any] = {}
+
+        def on_layer(so: Any, layer: str) -> None:
+            for r in so.scheduled_new_reqs:
+                if r.req_id == "c0" and layer not in seen:
+                    ids, n = list(r.block_ids[0]), r.num_computed_tokens
+                    seen[layer] = (ids, n, consumer.block_bytes(ids, n)[layer])
+
+        consumer.on_layer.append(on_layer)
+        t = run_transfer(self, producer, consumer, prompts)
+        assert set(seen) == set(consumer.kv_caches), (
+            f"{self.name}: wait_for_layer_load was reached for layers {sorted(seen)} of c0's first step, expected "
+            f"all {len(consumer.kv_caches)}")
+        for layer, (ids, n, data) in seen.items():
+            src = producer.block_bytes(t.src_blocks[0], n)[layer]
+            diffs = compare_blocks({layer: src}, {layer: data})
+            assert not diffs, f"{self.name}: right after wait_for_layer_load({layer!r}): " + "; ".join(diffs[:3])

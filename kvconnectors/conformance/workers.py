@@ -135,7 +135,8 @@ class EngineHarness:
                     self.sched.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
         self.sched.worker = self.worker_step
         self.worker_outputs: list[Any] = []
-        self.on_step: list[Any] = []   # callbacks(StepResult-less SchedulerOutput) after each worker step
+        self.on_step: list[Any] = []    # callbacks(scheduler_output, kv_connector_output) after each worker step
+        self.on_layer: list[Any] = []   # callbacks(scheduler_output, layer_name) right after wait_for_layer_load
         self._closed = False
 
     # ---------------------------------------------------------------- the model runner
@@ -159,6 +160,8 @@ class EngineHarness:
                 if tokens and w.has_connector_metadata():
                     for layer, kv in self.kv_caches.items():
                         w.wait_for_layer_load(layer)
+                        for cb in self.on_layer:
+                            cb(so, layer)
                         w.save_kv_layer(layer, kv, fc.attn_metadata[layer])
             finally:
                 if not so.has_sync_kv_loads:

@@ -22,6 +22,8 @@ check_vllm_version()
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults)
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
 from kvconnectors.tiered.config import TieredConfig  # noqa: E402
 from kvconnectors.tiered.metadata import TieredConnectorMetadata  # noqa: E402
 from kvconnectors.tiered.scheduler import TieredConnectorScheduler  # noqa: E402
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
 
 
 class TieredConnector(KVConnectorBase_V1):
+    # vLLM's prompt_tokens_cached_by_source: in pull mode the prompt's KV comes from a peer.
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config, role, kv_cache_config)

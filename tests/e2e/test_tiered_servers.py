@@ -79,3 +79,23 @@ def test_corrupted_transfer_changes_output_between_servers(tiny_model, prompts, 
     long = [i for i, n in enumerate(LENGTHS) if n > 2 * BLOCK]
     unchanged = [i for i in long if first_mismatch([colocated[i]], [decoded[i]]) is None]
     assert not unchanged, f"prompts {unchanged} decoded identically from corrupted KV"
+
+
+def test_spills_and_transfers_show_on_the_servers_metrics(tiny_model, prompts, colocated, tmp_path) -> None:
+    """A DRAM tier of 16 blocks for the whole workload: the producer spills to NVMe, the outputs
+    still equal colocated, and Prometheus on each server's /metrics shows what happened."""
+    kv = {"kv_connector_extra_config": {"dram_bytes": "256KiB", "nvme_dirs": [str(tmp_path / "nvme")],
+                                        "nvme_bytes": "64MiB"}}
+    with PDCluster(tiny_model, transport="tcp", kv_extra=kv, log_dir=tmp_path / "logs") as pd:
+        outs = run_workload(pd, pd.prefill[0].served_model_name, prompts)
+        assert_same_tokens(colocated, [token_ids(r) for r in outs])
+        run_workload(pd, pd.prefill[0].served_model_name, prompts[:1])  # a step to report the last reads
+        p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
+    total = lambda m, name: sum(v for _, v in m.get(name, []))  # noqa: E731
+    assert total(p, "kvconnectors:store_spills_total") > 0, sorted(k for k in p if k.startswith("kvconnectors"))
+    assert total(p, "kvconnectors:staged_bytes_total") > 0
+    assert total(p, "kvconnectors:store_hits_nvme_total") > 0
+    assert total(d, "kvconnectors:transfer_bytes_total") > 0
+    assert total(d, "kvconnectors:transfers_total") >= len(prompts)
+    hits = [v for labels, v in d.get("vllm:prompt_tokens_cached_by_source_total", []) if labels.get("source") == "p2p"]
+    assert hits and sum(hits) > 0, "decode did not attribute the loaded prompt tokens to p2p"
