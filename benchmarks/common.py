@@ -148,7 +148,7 @@ def bar_chart(path: Path, labels: Sequence[str], median: Sequence[float], p99: S
         ax.legend(handles=[Patch(color=c, label=l) for l, c in legend], fontsize=8, loc="upper right")
     if notes:
         fig.text(0.01, 0.01, "\n".join(notes), fontsize=7, va="bottom", family="monospace")
-        fig.subplots_adjust(bottom=0.22 + 0.035 * len(notes))
+        fig.subplots_adjust(bottom=0.17 + 0.03 * len(notes))
     else:
         fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -75,7 +75,11 @@ class PDCluster:
                 s.start(wait=False)
             for s in self.servers:
                 s.wait_healthy()
+            # Pick the proxy's port only now: one chosen before the servers started could have
+            # been taken by one of their own ephemeral sockets meanwhile.
+            self.args.proxy_port = 0 if not self._proxy_process else free_port()
             argv = [*launcher.proxy_argv(self.plans, self.args), *self._extra_proxy_args]
+            self.proxy_ns = launcher.parse_proxy_argv(argv)
             self._proxy = (ProxyProcess(argv, self.proxy_ns, self.log_dir) if self._proxy_process
                            else ProxyThread(self.proxy_ns)).start()
             self.proxy_url = self._proxy.url

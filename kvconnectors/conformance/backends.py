@@ -60,9 +60,10 @@ class TieredBackend(ConnectorBackend):
 # ============================================================================ ExampleConnector
 
 EXAMPLE_OFF_BY_ONE = (
-    "kvconnectors docs/conformance.md#exampleconnector-prompts-of-kblock_size1-tokens-are-stored-but-never-found: "
-    "ExampleConnector stores the full blocks of prompt[:align(len-1)] but looks up prompt[:align(len-2)], "
-    "so a prompt of k*block_size+1 tokens is saved and never loaded")
+    "https://github.com/vllm-project/vllm/pull/40684 (closed unmerged; still in vLLM 0.32.0), write-up in "
+    "docs/conformance.md: ExampleConnector saves the full blocks of prompt[:-1] (align_to_block_size(len)) but "
+    "looks them up with align_to_block_size(len - 1), one token short, so a prompt of k*block_size+1 tokens is "
+    "saved and never found")
 
 
 class ExampleBackend(ConnectorBackend):
@@ -157,6 +158,14 @@ class NixlBackend(ConnectorBackend):
 
     def expected_load_tokens(self, prompt_len: int) -> int | None:
         return prompt_len  # no prefill backoff for a plain attention model
+
+    def release_worker(self, worker: Any) -> None:
+        # NixlConnectorWorker.shutdown() deregisters memory but keeps its nixl_agent, whose UCX
+        # progress threads then spin for the rest of the process (about one core, measured):
+        # drop the agent so its destructor stops them.
+        inner = getattr(worker, "connector_worker", None)
+        if inner is not None:
+            inner.__dict__.pop("nixl_wrapper", None)
 
     def fault_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
         # The handshake reaches the real producer, whose agent metadata then names another

@@ -179,6 +179,10 @@ class ConnectorBackend:
         engine (an `EngineHarness` in worker tests), for proxies that inject params themselves."""
         return producer_params
 
+    def release_worker(self, worker: Any) -> None:
+        """Called after a worker-side connector's shutdown(): free what shutdown() leaves alive
+        (e.g. transport agents whose progress threads would keep spinning). Default: nothing."""
+
     def worker_context(self) -> Any:
         """A context manager held while worker-side connector objects live in this process
         (e.g. to stub a device query on the CPU platform). Default: nothing."""

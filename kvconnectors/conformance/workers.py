@@ -114,7 +114,7 @@ class EngineHarness:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        self.name, self.role = name, role
+        self.name, self.role, self.backend = name, role, backend
         self.env = dict(backend.environment(role, name))
         with environment(self.env):
             self.vllm_config = create_vllm_config(backend.kv_transfer_config(role, policy=policy, extra=extra),
@@ -209,8 +209,10 @@ class EngineHarness:
         with set_current_vllm_config(self.vllm_config), environment(self.env):
             try:
                 self.worker.shutdown()
+                self.backend.release_worker(self.worker)
             finally:
                 self.sched.close()
+                self.worker = None
 
 
 def compare_blocks(src: dict[str, list[torch.Tensor]], dst: dict[str, list[torch.Tensor]]) -> list[str]:

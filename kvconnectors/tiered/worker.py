@@ -199,12 +199,28 @@ class TieredConnectorWorker:
         try:
             nbytes = self._pull_with_retries(spec, deadline)
         except TransferError as exc:
-            self._finish(spec.req_id, exc)
+            self._finish(spec.req_id, exc)  # report first: the release below may wait on a dead peer
+            self._give_back(spec, exc)
         except Exception as exc:  # a bug must fail the request, not strand it
             logger.exception("unexpected error pulling KV for %s", spec.req_id)
             self._finish(spec.req_id, TransferError(FailureCause.PROTOCOL, f"internal error: {exc!r}"))
         else:
             self._finish(spec.req_id, None, nbytes, time.monotonic() - start)
+
+    def _give_back(self, spec: RecvSpec, exc: TransferError) -> None:
+        """After a final failure, release the producer's entry now (best effort) instead of
+        leaving it to the lease: this request will never read it (vLLM fails or recomputes)."""
+        if spec.params is None or exc.cause in (FailureCause.AUTH, FailureCause.LEASE_EXPIRED,
+                                                FailureCause.UNKNOWN_TRANSFER):
+            return
+        try:
+            p = msgspec.convert(spec.params, TransferParams)
+            addr = p.addrs[min(self.layout.tp_rank, len(p.addrs) - 1)]
+            with self._client(addr.host, addr.port) as client:
+                client.release(p.transfer_id, time.monotonic() + self.config.connect_timeout_s)
+        except (TransferError, OSError, msgspec.ValidationError) as release_exc:
+            logger.warning("could not release transfer for %s after its failure (it will expire): %s",
+                           spec.req_id, release_exc)
 
     def _pull_with_retries(self, spec: RecvSpec, deadline: float) -> int:
         """failure_policy "retry": transient faults (peer gone, timeout, bad bytes, protocol) are

@@ -30,6 +30,7 @@ class FaultRule(msgspec.Struct, forbid_unknown_fields=True):
     nth: int | None = None        # fire only on the nth matching event (1-based)
     times: int | None = None      # stop after firing this many times
     delay_s: float = 0.5
+    min_blocks: int = 0           # reads only: fire only for reads of at least this many blocks
 
 
 class FaultPlan:
@@ -55,10 +56,10 @@ class FaultPlan:
             raise ConfigError("fault_injection", raw, str(exc)) from None
         return cls(rules, seed)
 
-    def decide(self, event: str) -> FaultRule | None:
+    def decide(self, event: str, num_blocks: int = 0) -> FaultRule | None:
         with self._lock:
             for i, r in enumerate(self.rules):
-                if r.on != event or (r.times is not None and self.fired[i] >= r.times):
+                if r.on != event or (r.times is not None and self.fired[i] >= r.times) or num_blocks < r.min_blocks:
                     continue
                 self._seen[i] += 1
                 if r.nth is not None and self._seen[i] != r.nth:

@@ -199,7 +199,7 @@ class StoreServer:
         if self.faults is None:
             return None
         event = {wire.Read: "read", wire.Renew: "renew", wire.Release: "release"}.get(type(msg))
-        fault = self.faults.decide(event) if event else None
+        fault = self.faults.decide(event, getattr(msg, "num_blocks", 0)) if event else None
         if fault is not None:
             logger.warning("fault injection: %s on %s", fault.action, event)
             if fault.action == "delay":

@@ -1,0 +1,184 @@
+"""Failure scenarios between two live `vllm serve` instances (issue: explicit failure policy).
+
+For each scenario: with `fail` the affected request ends with an error while concurrent
+requests complete correctly; with `recompute` every output equals colocated; with `retry` a
+transient fault heals. After each, nothing is left behind on either side: no request, no KV
+block, no store entry (lease), no open store connection.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from integration.cluster import PDCluster
+from kvconnectors.serving import post_json, process_tree
+from kvconnectors.testing.compare import assert_same_tokens, first_mismatch
+from kvconnectors.testing.engines import generate_ids, llm_engine
+from kvconnectors.testing.prompts import token_prompts
+from kvconnectors.transport.client import store_status
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 8
+NIXL_STYLE = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    # The last prompt is the only one over 14 blocks: the "producer killed" scenario slows its read.
+    return token_prompts([70, 100, 130, 200, 90, 160, 60, 250, 600], seed=21)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model, prompts) -> list[list[int]]:
+    with llm_engine(tiny_model) as llm:
+        return generate_ids(llm, prompts, MAX_TOKENS)
+
+
+def body(pd: PDCluster, prompt: list[int], **extra) -> dict:
+    return {"model": pd.prefill[0].served_model_name, "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, **extra}
+
+
+def prefill_ticket(pd: PDCluster, prompt: list[int]) -> dict:
+    r = post_json(f"{pd.prefill[0].url}/v1/completions", body(pd, prompt, max_tokens=1, kv_transfer_params=NIXL_STYLE))
+    return r["kv_transfer_params"]
+
+
+def decode(pd: PDCluster, prompt: list[int], ticket: dict) -> list[int] | str:
+    """The decode leg by hand: token ids, or the error text."""
+    try:
+        r = post_json(f"{pd.decode[0].url}/v1/completions", body(pd, prompt, kv_transfer_params=ticket), timeout=60)
+    except Exception as exc:  # urllib HTTPError for vLLM's 500
+        return f"error: {exc}"
+    return r["choices"][0]["token_ids"]
+
+
+def through_proxy(pd: PDCluster, prompts: list[list[int]]) -> list[list[int] | str]:
+    def one(p: list[int]) -> list[int] | str:
+        try:
+            return post_json(f"{pd.proxy_url}/v1/completions", body(pd, p), timeout=90)["choices"][0]["token_ids"]
+        except Exception as exc:
+            return f"error: {exc}"
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(one, prompts))
+
+
+def failures(server) -> dict[str, float]:
+    return {labels["cause"]: v for labels, v in server.metrics().get("kvconnectors:transfer_failures_total", [])}
+
+
+def assert_nothing_left(pd: PDCluster, producer_alive: bool = True) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        problems = []
+        servers = pd.servers if producer_alive else pd.decode
+        for s in servers:
+            m = s.metrics()
+            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+                if any(v for _, v in m.get(name, [])):
+                    problems.append(f"{s.name}: {name} != 0")
+        host, port = pd.plans[0].kv_addr.rsplit(":", 1)
+        if producer_alive:
+            st = store_status(host, int(port))
+            if st.entries or st.dram_used_bytes or st.nvme_used_bytes or st.active_connections:
+                problems.append(f"producer store: {st.entries} entries, {st.active_connections} connections")
+        for p in process_tree(pd.decode[0].pid):
+            try:
+                conns = [c for c in p.net_connections("tcp") if c.raddr and c.raddr.port == int(port)
+                         and c.status == psutil.CONN_ESTABLISHED]
+            except psutil.Error:
+                continue
+            if conns:
+                problems.append(f"decode pid {p.pid} holds {len(conns)} connections to the producer's store")
+        if not problems:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("; ".join(problems))
+        time.sleep(0.5)
+
+
+def test_fail_policy_scenarios(tiny_model, prompts, colocated, tmp_path) -> None:
+    kv = {"kv_load_failure_policy": "fail",
+          "kv_connector_extra_config": {"lease_ttl_s": 4, "connect_timeout_s": 2, "load_timeout_s": 10,
+                                        "fault_injection": [{"action": "corrupt", "nth": 3},
+                                                            {"action": "truncate", "nth": 6},
+                                                            {"action": "delay", "delay_s": 8, "min_blocks": 15}]}}
+    with PDCluster(tiny_model, kv_extra=kv, log_dir=tmp_path) as pd:
+        # corrupted bytes + truncated stream, under concurrent load: exactly those two fail
+        outs = through_proxy(pd, prompts[:8])
+        errors = [i for i, o in enumerate(outs) if isinstance(o, str)]
+        assert len(errors) == 2, outs
+        ok = [i for i in range(8) if i not in errors]
+        assert_same_tokens([colocated[i] for i in ok], [outs[i] for i in ok])
+        assert failures(pd.decode[0]) == {"checksum_mismatch": 1.0, "peer_unreachable": 1.0}, failures(pd.decode[0])
+        assert_nothing_left(pd)  # the consumer released the failed transfers' entries itself
+
+        # malformed tickets, wrong layout and block size, lease expired: each fails alone
+        tickets = [prefill_ticket(pd, p) for p in prompts[:6]]
+        bad = [
+            dict(tickets[0], kvc={k: v for k, v in tickets[0]["kvc"].items() if k != "addrs"}),  # missing field
+            dict(tickets[1], kvc=dict(tickets[1]["kvc"], num_tokens="lots")),                    # wrong type
+            dict(tickets[2], kvc=dict(tickets[2]["kvc"], num_tokens=2**40)),                     # huge number
+            dict(tickets[3], kvc=dict(tickets[3]["kvc"], fingerprint="0123456789abcdef")),       # wrong layout
+            dict(tickets[4], kvc=dict(tickets[4]["kvc"], block_size=16, num_blocks=-(-len(prompts[4]) // 16))),
+        ]
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda a: decode(pd, *a), list(zip(prompts[:5], bad)) + [(prompts[5], tickets[5])]))
+        assert all(isinstance(r, str) for r in results[:5]), results
+        assert results[5] == colocated[5], "a good request next to bad ones must still be correct"
+        f = failures(pd.decode[0])
+        assert f.get("bad_params") == 3 and f.get("layout_mismatch") == 2, f
+        ticket = prefill_ticket(pd, prompts[6])
+        time.sleep(6)  # lease_ttl_s=4 and nobody renews it: expired
+        assert isinstance(decode(pd, prompts[6], ticket), str)
+        assert failures(pd.decode[0]).get("lease_expired") == 1
+        time.sleep(5)  # the never-pulled entries of the bad tickets expire too
+        assert_nothing_left(pd)
+
+        # producer killed mid-transfer (its read is held for 8 s): the decode fails cleanly and
+        # nothing is left on the decode side
+        slow = prefill_ticket(pd, prompts[8])
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(decode, pd, prompts[8], slow)
+            time.sleep(2.0)
+            os.killpg(os.getpgid(pd.prefill[0].pid), signal.SIGKILL)
+            assert isinstance(fut.result(timeout=60), str)
+        assert failures(pd.decode[0]).get("peer_unreachable") == 2
+        assert_nothing_left(pd, producer_alive=False)
+
+
+def test_recompute_policy_equals_colocated(tiny_model, prompts, colocated, tmp_path) -> None:
+    kv = {"kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {"fault_injection": [{"action": "corrupt", "nth": 2},
+                                                            {"action": "truncate", "nth": 4},
+                                                            {"action": "disconnect", "nth": 6}]}}
+    with PDCluster(tiny_model, kv_extra=kv, log_dir=tmp_path) as pd:
+        outs = through_proxy(pd, prompts[:8])
+        assert_same_tokens(colocated[:8], outs, "recompute after a failed transfer")
+        assert sum(failures(pd.decode[0]).values()) == 3
+        bad = prefill_ticket(pd, prompts[0])
+        bad = dict(bad, kvc=dict(bad["kvc"], fingerprint="0123456789abcdef"))
+        assert decode(pd, prompts[0], bad) == colocated[0]
+        assert failures(pd.decode[0]).get("layout_mismatch") == 1
+        assert_nothing_left(pd)  # failed transfers were released by the consumer, not left to expire
+
+
+def test_retry_heals_transient_faults(tiny_model, prompts, colocated, tmp_path) -> None:
+    kv = {"kv_connector_extra_config": {"failure_policy": "retry", "retries": 2, "load_timeout_s": 12,
+                                        "fault_injection": [{"action": "corrupt", "nth": 2},
+                                                            {"action": "disconnect", "nth": 4},
+                                                            {"action": "drop", "nth": 6}]}}
+    with PDCluster(tiny_model, kv_extra=kv, log_dir=tmp_path) as pd:
+        outs = through_proxy(pd, prompts[:8])
+        assert_same_tokens(colocated[:8], outs, "a retried transfer")
+        d = pd.decode[0].metrics()
+        assert sum(v for _, v in d.get("kvconnectors:transfer_retries_total", [])) == 3
+        assert not failures(pd.decode[0])
+        assert_nothing_left(pd)
