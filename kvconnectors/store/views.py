@@ -58,6 +58,19 @@ class PinnedEntry:
         self._check(layer)
         return [(first * self.slot_bytes, n * self.slot_bytes) for _, first, n in runs(self._loc[layer])]
 
+    def run_views(self, layer: int, first: int, last: int) -> list[memoryview]:
+        """Read-only 1-D memoryviews of blocks [first, last) of `layer`, one per contiguous arena run,
+        in block order: a gather send of a few runs instead of one view per block."""
+        self._check(layer)
+        if not 0 <= first <= last <= self.num_blocks:
+            raise IndexError(f"blocks [{first}, {last}) out of range [0, {self.num_blocks}]")
+        views = []
+        for _, slot, n in runs(self._loc[layer, first:last]):
+            run = self._slots[slot:slot + n].reshape(-1)
+            run.flags.writeable = False
+            views.append(memoryview(run))
+        return views
+
     def close(self) -> None:
         self._open = False
         self._slots = None  # type: ignore[assignment]

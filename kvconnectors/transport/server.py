@@ -268,20 +268,11 @@ class StoreServer:
             self._send_inline(sock, msg, ttl, checksums, fault, self._layers_from_tiers(msg))
             return
         with self.store.pinned_views(msg.transfer_id, msg.layers) as pv:
-            if msg.data_path == "nixl":
-                self._serve_nixl(sock, msg, pv, checksums, ttl)
+            if msg.data_path in ("shm", "nixl"):
+                self._serve_offsets(sock, msg, pv, checksums, ttl)
                 return
-            if msg.data_path == "shm":
-                offsets = [int(pv.offset(layer, b)) for layer in msg.layers for b in range(msg.first_block, last)]
-                wire.send_msg(sock, wire.ReadReply(ok=True, checksums=checksums, shm_path=pv.shm_path or "",
-                                                   offsets=offsets, lease_ttl_s=ttl))
-                # Stay pinned until the consumer has copied: it answers with Release or Ack.
-                done = wire.recv_msg(sock, deadline=time.monotonic() + self.idle_timeout_s)
-                self.counters.reads += 1
-                if isinstance(done, wire.Release):
-                    self._release(sock, done)
-                return
-            layers = ([pv.memoryview(layer, b) for b in range(msg.first_block, last)] for layer in msg.layers)
+            # a few views of contiguous arena runs per layer, not one per block (cheaper to build)
+            layers = (pv.run_views(layer, msg.first_block, last) for layer in msg.layers)
             self._send_inline(sock, msg, ttl, checksums, fault, layers)
 
     def _layers_from_tiers(self, msg: wire.Read):
@@ -289,7 +280,7 @@ class StoreServer:
         buf = np.empty((msg.num_blocks, slot), dtype=np.uint8)
         for layer in msg.layers:
             self.store.read_into(msg.transfer_id, layer, msg.first_block, buf)
-            yield [memoryview(row) for row in buf]  # sent before the next layer overwrites buf
+            yield [memoryview(buf.reshape(-1))]  # sent before the next layer overwrites buf
 
     def _send_inline(self, sock: socket.socket, msg: wire.Read, ttl: float, checksums: list[int] | None,
                      fault: FaultRule | None, layers) -> None:
@@ -309,27 +300,34 @@ class StoreServer:
             self.counters.bytes_sent += nbytes
             self.counters.reads += 1
 
-    def _serve_nixl(self, sock: socket.socket, msg: wire.Read, pv, checksums: list[int] | None,
-                    ttl: float) -> None:
-        """Reply with arena offsets and this agent's metadata; the consumer READs the blocks itself.
-        The entry stays pinned (the caller's with-block) until it answers Release (done) or
-        Ack(ok=False) (its READ failed); meanwhile this thread progresses the agent, which the
-        READ's target must do, and stops when the answer (or EOF) arrives."""
-        assert self.nixl is not None
+    def _serve_offsets(self, sock: socket.socket, msg: wire.Read, pv, checksums: list[int] | None,
+                       ttl: float) -> None:
+        """shm / nixl: reply with arena offsets (plus this agent's metadata for nixl); the consumer
+        copies or READs the blocks itself. The entry stays pinned (the caller's with-block) until it
+        answers Release (done) or Ack(ok=False) (its copy, READ or checksum check failed: the entry
+        stays for a retry). For nixl this thread progresses the agent meanwhile, which the READ's
+        target must do, and stops when the answer (or EOF) arrives."""
         last = msg.first_block + msg.num_blocks
-        offsets = [int(pv.offset(layer, b)) for layer in msg.layers for b in range(msg.first_block, last)]
-        wire.send_msg(sock, wire.ReadReply(ok=True, checksums=checksums, offsets=offsets, lease_ttl_s=ttl,
-                                           nixl_agent_meta=self.nixl.metadata,
-                                           nixl_base_address=self.nixl.base_address))
+        offsets = np.concatenate([pv.offsets(layer)[msg.first_block:last] for layer in msg.layers]).tolist()
+        if msg.data_path == "nixl":
+            assert self.nixl is not None
+            reply = wire.ReadReply(ok=True, checksums=checksums, offsets=offsets, lease_ttl_s=ttl,
+                                   nixl_agent_meta=self.nixl.metadata, nixl_base_address=self.nixl.base_address)
+        else:
+            reply = wire.ReadReply(ok=True, checksums=checksums, shm_path=pv.shm_path or "", offsets=offsets,
+                                   lease_ttl_s=ttl)
+        wire.send_msg(sock, reply)
         deadline = time.monotonic() + self.idle_timeout_s
         try:
-            self.nixl.serve_until_readable(sock, deadline)
+            if self.nixl is not None and msg.data_path == "nixl":
+                self.nixl.serve_until_readable(sock, deadline)
             done = wire.recv_msg(sock, deadline)
         except TransferError as exc:
             # The consumer vanished or stalled mid-read: the reply stream is out of step, so drop
             # the connection (the with-block unpins; the lease decides the entry's fate).
             self.counters.reject(exc.cause.value)
-            logger.info("nixl read of %s by %s ended without a release: %s", msg.transfer_id, _peer(sock), exc)
+            logger.info("%s read of %s by %s ended without a release: %s", msg.data_path, msg.transfer_id,
+                        _peer(sock), exc)
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -341,8 +339,8 @@ class StoreServer:
                 self.counters.reads += 1
             self._release(sock, done)
         elif isinstance(done, wire.Ack) and not done.ok:
-            logger.info("consumer %s failed its nixl read of %s: [%s] %s", _peer(sock), msg.transfer_id,
-                        done.cause, done.message)
+            logger.info("consumer %s failed its %s read of %s: [%s] %s", _peer(sock), msg.data_path,
+                        msg.transfer_id, done.cause, done.message)
         elif not isinstance(done, wire.Ack):
             self._dispatch(sock, done)  # anything else is a request of its own
 

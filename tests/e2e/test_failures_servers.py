@@ -13,15 +13,14 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import pytest
 
 from integration.cluster import PDCluster
-from kvconnectors.serving import post_json, process_tree
+from kvconnectors.serving import post_json
 from kvconnectors.testing.compare import assert_same_tokens, first_mismatch
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import token_prompts
-from kvconnectors.transport.client import store_status
+from kvconnectors.testing.leaks import assert_pd_idle
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -75,33 +74,7 @@ def failures(server) -> dict[str, float]:
 
 
 def assert_nothing_left(pd: PDCluster, producer_alive: bool = True) -> None:
-    deadline = time.monotonic() + 20
-    while True:
-        problems = []
-        servers = pd.servers if producer_alive else pd.decode
-        for s in servers:
-            m = s.metrics()
-            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-                if any(v for _, v in m.get(name, [])):
-                    problems.append(f"{s.name}: {name} != 0")
-        host, port = pd.plans[0].kv_addr.rsplit(":", 1)
-        if producer_alive:
-            st = store_status(host, int(port))
-            if st.entries or st.dram_used_bytes or st.nvme_used_bytes or st.active_connections:
-                problems.append(f"producer store: {st.entries} entries, {st.active_connections} connections")
-        for p in process_tree(pd.decode[0].pid):
-            try:
-                conns = [c for c in p.net_connections("tcp") if c.raddr and c.raddr.port == int(port)
-                         and c.status == psutil.CONN_ESTABLISHED]
-            except psutil.Error:
-                continue
-            if conns:
-                problems.append(f"decode pid {p.pid} holds {len(conns)} connections to the producer's store")
-        if not problems:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("; ".join(problems))
-        time.sleep(0.5)
+    assert_pd_idle(pd, producer_alive)
 
 
 def test_fail_policy_scenarios(tiny_model, prompts, colocated, tmp_path) -> None:
