@@ -33,7 +33,6 @@ class FailureReportingTests:
         return self.scheduler(policy=policy, name=f"{self.name}-{policy}")
 
     def _check_policy(self, sched: Any, rid: str, prompt: list[int], policy: str) -> None:
-
         if policy == "fail":
             sched.run_until(lambda: rid in sched.finished, f"{rid} to finish with an error", timeout_s=self.timeout_s)
             reason = str(sched.finished[rid].finish_reason)

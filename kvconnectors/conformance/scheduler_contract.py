@@ -245,7 +245,6 @@ class SchedulerContractTests:
     # ------------------------------------------------------------------ mixed batches
     def test_mixed_batch(self, sched: Any) -> None:
         """Producers, consumers and plain requests in one batch all finish, nothing leaks."""
-
         prompts = _prompts(self, 6, seed=13)
         tickets = [self.prepare_consumer(sched, p) for p in prompts[2:4]]
         ids = []

@@ -33,9 +33,9 @@ class DramArena:
         self.nbytes = self.num_slots * slot_bytes
         self.shm_path: str | None = None
         self._fd: int | None = None
-        flags = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
         if shm_name is None:
-            self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flags)
+            # No MAP_POPULATE here: huge pages must be asked for before the memory is faulted in.
+            self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses on big copies; a hint only
                 try:
                     self._mm.madvise(mmap.MADV_HUGEPAGE)
@@ -44,9 +44,12 @@ class DramArena:
         else:
             self.shm_path = os.path.join(SHM_DIR, shm_name)
             self._fd = _open_owned_shm(self.shm_path, self.nbytes)
+            flags = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
             self._mm = mmap.mmap(self._fd, self.nbytes, flags=mmap.MAP_SHARED | flags)
         # (num_slots, slot_bytes) view: slot i starts at byte i * slot_bytes of a page-aligned base.
         self.slots = np.frombuffer(self._mm, dtype=np.uint8).reshape(self.num_slots, slot_bytes)
+        if shm_name is None and prefault:  # fault it in now (one write per page), not on first staging
+            self.slots.reshape(-1)[::mmap.PAGESIZE] = 0
         self.base_address = address(self.slots)
         self._free = FreeList(self.num_slots)
 

@@ -56,6 +56,7 @@ class TieredConnectorWorker:
         self._compat = wire.compat_hash("tiered")
         self.layout: KVLayout | None = None
         self._blocks: list[np.ndarray] = []
+        self._block_base = self._block_stride = np.empty(0, dtype=np.uint64)
         self._layer_index: dict[str, int] = {}
         self.store: TieredStore | None = None
         self.server: StoreServer | None = None
@@ -85,6 +86,10 @@ class TieredConnectorWorker:
         tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
         self.layout = detect_layout(kv_caches, self.block_size, self._cache_layout, self.tp_size, tp_rank)
         self._blocks = block_arrays(kv_caches)
+        # per layer: address of block 0 and the block stride, so a nixl pull computes its
+        # destination addresses in one numpy expression instead of one lookup per block
+        self._block_base = np.array([a.ctypes.data for a in self._blocks], dtype=np.uint64)
+        self._block_stride = np.array([a.strides[0] for a in self._blocks], dtype=np.uint64)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         if not self.is_producer:
             return
@@ -267,10 +272,14 @@ class TieredConnectorWorker:
         transport = self.config.transport
         data_path = "shm" if transport == "shm" and p.shm_path else "nixl" if transport == "nixl" else "inline"
         sink = self._nixl() if data_path == "nixl" else None
+        dest_addrs = None
+        if sink is not None:  # layer-major, like dest
+            ids = np.asarray(targets, dtype=np.uint64)
+            dest_addrs = (self._block_base[:, None] + ids[None, :] * self._block_stride[:, None]).reshape(-1)
         with self._client(addr.host, addr.port) as client:
             nbytes = client.read(p.transfer_id, range(layout.num_layers), spec.first_block, dest,
                                  fingerprint=layout.fingerprint, deadline=deadline, verify=self.config.checksum,
-                                 data_path=data_path, nixl=sink)
+                                 data_path=data_path, nixl=sink, dest_addrs=dest_addrs)
             if data_path == "inline":
                 client.release(p.transfer_id, deadline)  # the shm path released inside read()
         return nbytes
