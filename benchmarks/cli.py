@@ -2,6 +2,8 @@
 
     kvconnectors bench transfer --preset 8b --tokens 2048 --block-tokens 16
     kvconnectors bench tiers --bytes 256MiB
+    kvconnectors bench e2e
+    kvconnectors bench proxy --requests 200
 
 Each benchmark module also runs on its own: `python -m benchmarks.transfer`, `python -m benchmarks.tiers`.
 """
@@ -18,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("benchmarks.transfer",
                  "KV of N tokens through memcpy, a raw socket, our tcp/shm/nixl, NIXL and Mooncake, side by side."),
     "tiers": ("benchmarks.tiers", "The store's spill/restore GB/s beside raw O_DIRECT writes/reads of the same bytes."),
+    "e2e": ("benchmarks.e2e", "Streaming users while long prompts arrive: colocated, chunked, TieredConnector, NIXL."),
+    "proxy": ("benchmarks.proxy_overhead", "Latency the P/D proxy adds, beside the same requests done by hand."),
 }
 
 

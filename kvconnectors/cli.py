@@ -34,6 +34,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:  # a sub-command whose extra is not installed
+            if only == name:  # say why now, before argparse trips over its own arguments
+                parser.error(f"{name} is unavailable: {exc}")
             p.set_defaults(_unavailable=f"{name} is unavailable: {exc}")
             continue
         module.add_arguments(p)

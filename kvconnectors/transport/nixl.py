@@ -32,6 +32,7 @@ alone, because on an RDMA host those settings would disable the network it shoul
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -330,8 +331,8 @@ class NixlSink:
     def read_blocks(self, key: str, meta: bytes, base_address: int, offsets: Sequence[int],
                     dest: Sequence[memoryview], deadline: float, local_addrs: np.ndarray | None = None) -> int:
         """READ remote blocks [base_address + offsets[i], +len(dest[i])) into dest[i]; all blocks the
-        same size. `local_addrs`: dest's addresses when the caller has them precomputed (taking
-        them per view costs ~4 us each). Returns the bytes read."""
+        same size. `local_addrs`: dest's addresses when the caller has them precomputed (spares
+        taking each view's address). Returns the bytes read."""
         if not dest:
             return 0
         length = len(dest[0])
@@ -477,7 +478,10 @@ def _address(view: memoryview, length: int) -> int:
     if len(view) != length:
         raise TransferError(FailureCause.LAYOUT_MISMATCH,
                             f"destination blocks differ in size ({len(view)} vs {length})")
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))  # ~0.3 us; np.frombuffer(...).ctypes ~2 us
+    except TypeError:
+        raise TransferError(FailureCause.PROTOCOL, "a destination block is not writable memory") from None
 
 
 def _peer(sock: socket.socket) -> str:
