@@ -215,3 +215,25 @@ def test_store_full_fails_only_what_does_not_fit(tiny_model, prompts, colocated)
     assert set(totals["failures"]) <= {"store_full", "staging_store_full"}, totals["failures"]
     ok = [i for i, r in enumerate(reasons) if r == "length"]
     assert_same_tokens([colocated[i] for i in ok], [list(outs[i].outputs[0].token_ids) for i in ok])
+
+
+def test_wrong_secret_is_refused_and_counted(tiny_model, prompts, colocated, tmp_path, monkeypatch) -> None:
+    """The store server demands the shared secret (from a file, never the command line); a
+    consumer holding another one is refused with a typed auth failure and the refusal counted."""
+    secret = tmp_path / "secret"
+    secret.write_text("correct horse battery staple 42")
+    with llm_engine(tiny_model, kv_transfer_config=tiered(secret_file=str(secret))) as llm:
+        tickets = prefill(llm, prompts[:3])
+        w = worker_connector().connector_worker
+        good = w._secret
+        monkeypatch.setattr(w, "_secret", b"not the secret, not at all")
+        outs = decode(llm, prompts[:1], tickets[:1], MAX_TOKENS)
+        assert outs[0].outputs[0].finish_reason == "error"
+        assert w.totals.data["failures"] == {"auth": 1}, w.totals.data["failures"]
+        assert w.server.counters.auth_failures == 1
+        monkeypatch.setattr(w, "_secret", good)
+        outs = decode(llm, prompts[1:3], tickets[1:3], MAX_TOKENS)
+        assert_same_tokens(colocated[1:3], [list(o.outputs[0].token_ids) for o in outs])
+        w.store.release(tickets[0]["kvc"]["transfer_id"])  # an unauthenticated peer cannot release it
+        assert_engine_idle(llm)
+        assert w.store.usage()["entries"] == 0
