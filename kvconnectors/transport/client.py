@@ -267,7 +267,8 @@ def _shm_arena(path: str) -> memoryview:
             arena = memoryview(mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                          prot=mmap.PROT_READ))
         except (OSError, ValueError) as exc:  # ValueError: an empty file
-            raise TransferError(FailureCause.PEER_UNREACHABLE, f"cannot map the producer's shm arena {path}: {exc}") from None
+            raise TransferError(FailureCause.PEER_UNREACHABLE,
+                                f"cannot map the producer's shm arena {path}: {exc}") from None
         finally:
             os.close(fd)
         _shm_arenas[path] = ((st.st_dev, st.st_ino, st.st_size), arena)

@@ -287,10 +287,11 @@ class StoreServer:
         nbytes = len(msg.layers) * msg.num_blocks * self.store.slot_bytes
         wire.send_msg(sock, wire.ReadReply(ok=True, nbytes=nbytes, checksums=checksums, lease_ttl_s=ttl))
         action = fault.action if fault is not None else None
+        slot = self.store.slot_bytes
         sent = 0
         for blocks in layers:
-            if action == "corrupt":
-                blocks = [memoryview(corrupted(b)) for b in blocks]
+            if action == "corrupt":  # per block, whatever runs the views span
+                blocks = [memoryview(corrupted(b[i:i + slot])) for b in blocks for i in range(0, len(b), slot)]
             elif action == "truncate" and sent + sum(len(b) for b in blocks) > nbytes // 2:
                 sock.shutdown(socket.SHUT_RDWR)
                 return
@@ -309,18 +310,14 @@ class StoreServer:
         target must do, and stops when the answer (or EOF) arrives."""
         last = msg.first_block + msg.num_blocks
         offsets = np.concatenate([pv.offsets(layer)[msg.first_block:last] for layer in msg.layers]).tolist()
-        if msg.data_path == "nixl":
-            assert self.nixl is not None
-            reply = wire.ReadReply(ok=True, checksums=checksums, offsets=offsets, lease_ttl_s=ttl,
-                                   nixl_agent_meta=self.nixl.metadata, nixl_base_address=self.nixl.base_address)
-        else:
-            reply = wire.ReadReply(ok=True, checksums=checksums, shm_path=pv.shm_path or "", offsets=offsets,
-                                   lease_ttl_s=ttl)
-        wire.send_msg(sock, reply)
+        nixl = self.nixl if msg.data_path == "nixl" else None
+        where = (dict(nixl_agent_meta=nixl.metadata, nixl_base_address=nixl.base_address) if nixl is not None
+                 else dict(shm_path=pv.shm_path or ""))
+        wire.send_msg(sock, wire.ReadReply(ok=True, checksums=checksums, offsets=offsets, lease_ttl_s=ttl, **where))
         deadline = time.monotonic() + self.idle_timeout_s
         try:
-            if self.nixl is not None and msg.data_path == "nixl":
-                self.nixl.serve_until_readable(sock, deadline)
+            if nixl is not None:
+                nixl.serve_until_readable(sock, deadline)
             done = wire.recv_msg(sock, deadline)
         except TransferError as exc:
             # The consumer vanished or stalled mid-read: the reply stream is out of step, so drop
