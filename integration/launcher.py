@@ -156,6 +156,10 @@ def validate(args: argparse.Namespace) -> None:
         if args.mode == "push":
             raise ValueError("--mode push needs TieredConnector (NixlConnector's own push flow is not "
                              "driven by this proxy)")
+    if args.connector == "TieredConnector" and args.mode == "push":
+        # The proxy speaks push mode, but TieredConnector does not implement it yet: refuse rather
+        # than silently fall back to pull.
+        raise ValueError("--mode push: TieredConnector implements pull mode only in this release")
 
 
 def json_object(value: str) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class TieredConnectorScheduler:
         self._recvs: list[RecvSpec] = []
         self._drops: list[str] = []
         self._waiting_remote: dict[str, tuple[tuple[str, int], str]] = {}  # consumer req -> (producer, tid)
+        self._warned_push = False
         self._secret = load_secret(config.secret_file)
         self._compat = wire.compat_hash("tiered")
         self._keeper: LeaseKeeper | None = None
@@ -105,6 +106,11 @@ class TieredConnectorScheduler:
         if not p:
             return
         if p.get("do_remote_decode"):
+            if p.get("transfer_mode", "pull") != "pull" and not self._warned_push:
+                self._warned_push = True
+                logger.warning("kv_transfer_params asks for transfer_mode=%r; TieredConnector implements pull "
+                               "only in this release: the KV is staged here and pulled by the consumer",
+                               p.get("transfer_mode"))
             self._producing.setdefault(request.request_id, _Producing(
                 transfer_id=f"{self.engine_id}:{request.request_id}",
                 prompt_len=len(request.prompt_token_ids or ()), first_scheduled=time.monotonic()))

@@ -116,6 +116,7 @@ def test_proxy_argv_lists_pools_and_kv_addresses():
 @pytest.mark.parametrize("argv, needle", [
     (["--connector", "NixlConnector", "--transport", "tcp"], "--transport 'tcp'"),
     (["--connector", "NixlConnector", "--mode", "push"], "--mode push"),
+    (["--connector", "TieredConnector", "--mode", "push"], "pull mode only"),
     (["--proxy-args", "--prefill-timeout 0"], "--proxy-args"),
 ])
 def test_bad_combinations_fail_before_anything_starts(argv, needle, capsys):
