@@ -76,6 +76,10 @@ class TieredConnector(KVConnectorBase_V1):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.update_connector_output(connector_output)
+
     def on_new_request(self, request: "Request") -> None:
         if self.connector_scheduler is not None:
             self.connector_scheduler.on_new_request(request)

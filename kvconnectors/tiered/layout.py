@@ -30,6 +30,7 @@ class KVLayout:
     device: str
     tp_size: int
     tp_rank: int
+    model: str = ""                 # served model name: same-shaped but different models must not mix
 
     @property
     def num_layers(self) -> int:
@@ -38,7 +39,8 @@ class KVLayout:
     def describe(self) -> dict:
         return {"layers": list(self.layer_names), "block_size": self.block_size,
                 "block_shape": list(self.block_shape), "dtype": self.dtype, "block_bytes": self.block_bytes,
-                "cache_layout": self.cache_layout, "device": self.device, "tp_size": self.tp_size}
+                "cache_layout": self.cache_layout, "device": self.device, "tp_size": self.tp_size,
+                "model": self.model}
 
     @property
     def fingerprint(self) -> str:
@@ -47,7 +49,7 @@ class KVLayout:
 
 
 def detect_layout(kv_caches: dict[str, torch.Tensor], block_size: int, cache_layout: str,
-                  tp_size: int = 1, tp_rank: int = 0) -> KVLayout:
+                  tp_size: int = 1, tp_rank: int = 0, model: str = "") -> KVLayout:
     if not kv_caches:
         raise TransferError(FailureCause.LAYOUT_MISMATCH, "no KV cache tensors were registered")
     names = tuple(kv_caches)
@@ -66,7 +68,7 @@ def detect_layout(kv_caches: dict[str, torch.Tensor], block_size: int, cache_lay
     return KVLayout(layer_names=names, num_blocks=int(first.shape[0]), block_size=block_size,
                     block_shape=tuple(int(s) for s in first.shape[1:]), dtype=str(first.dtype).removeprefix("torch."),
                     block_bytes=block_bytes, cache_layout=cache_layout, device=first.device.type,
-                    tp_size=tp_size, tp_rank=tp_rank)
+                    tp_size=tp_size, tp_rank=tp_rank, model=model)
 
 
 def block_arrays(kv_caches: dict[str, torch.Tensor]) -> list[np.ndarray]:

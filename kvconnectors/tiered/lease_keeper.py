@@ -28,29 +28,33 @@ class LeaseKeeper:
                  rpc_timeout_s: float = 5.0):
         self.interval_s, self.rpc_timeout_s = interval_s, rpc_timeout_s
         self._client = client_factory
-        self._tracked: dict[str, tuple[Addr, str]] = {}   # req_id -> (producer, transfer id)
+        self._tracked: dict[str, tuple[list[Addr], str]] = {}  # req_id -> (producer ranks, transfer id)
+        self._beat_soon = False
         self._to_release: list[tuple[Addr, str]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
         self.renewals = 0
         self.releases = 0
-        self.lost: dict[str, str] = {}  # req_id -> cause, for leases the producer no longer holds
+        self.lost = 0  # renewals a producer answered with "no longer held"
         self._thread = threading.Thread(target=self._run, name="kvc-lease-keeper", daemon=True)
         self._thread.start()
 
-    def track(self, req_id: str, addr: Addr, transfer_id: str) -> None:
+    def track(self, req_id: str, addrs: list[Addr], transfer_id: str) -> None:
+        """Renew `transfer_id` at every producer rank in `addrs` until untracked."""
         with self._lock:
-            self._tracked[req_id] = (addr, transfer_id)
+            self._tracked[req_id] = (list(addrs), transfer_id)
+            self._beat_soon = True
+        self._wake.set()  # the ticket's TTL may already be short: beat now, not in a full interval
 
     def untrack(self, req_id: str) -> None:
         with self._lock:
             self._tracked.pop(req_id, None)
 
-    def release(self, req_id: str, addr: Addr, transfer_id: str) -> None:
+    def release(self, req_id: str, addrs: list[Addr], transfer_id: str) -> None:
         with self._lock:
             self._tracked.pop(req_id, None)
-            self._to_release.append((addr, transfer_id))
+            self._to_release.extend((addr, transfer_id) for addr in addrs)
         self._wake.set()
 
     @property
@@ -71,10 +75,15 @@ class LeaseKeeper:
             self._wake.clear()
             if self._stop:
                 return
-            self._flush_releases()
-            if time.monotonic() >= next_beat:
-                self._beat()
-                next_beat = time.monotonic() + self.interval_s
+            try:  # one bad answer must not end renewals for everyone
+                self._flush_releases()
+                with self._lock:
+                    soon, self._beat_soon = self._beat_soon, False
+                if soon or time.monotonic() >= next_beat:
+                    self._beat()
+                    next_beat = time.monotonic() + self.interval_s
+            except Exception:
+                logger.exception("lease keeper round failed; continuing")
 
     def _flush_releases(self) -> None:
         with self._lock:
@@ -90,8 +99,9 @@ class LeaseKeeper:
     def _beat(self) -> None:
         with self._lock:
             by_peer: dict[Addr, dict[str, str]] = defaultdict(dict)
-            for req_id, (addr, tid) in self._tracked.items():
-                by_peer[addr][tid] = req_id
+            for req_id, (addrs, tid) in self._tracked.items():
+                for addr in addrs:
+                    by_peer[addr][tid] = req_id
         for addr, tids in by_peer.items():
             try:
                 with self._client(addr) as c:
@@ -100,5 +110,4 @@ class LeaseKeeper:
                 logger.warning("lease heartbeat to producer %s:%s failed: %s", *addr, exc)
                 continue
             self.renewals += len(reply.remaining)
-            for tid, cause in reply.missing.items():
-                self.lost[tids[tid]] = cause
+            self.lost += len(reply.missing)

@@ -40,7 +40,6 @@ class _Producing:
     block_ids: list[int] = field(default_factory=list)
     staged_blocks: int = 0       # blocks already handed to the worker in earlier steps
     sealed: bool = False         # the step that completes the prompt has been scheduled
-    first_scheduled: float = 0.0
 
 
 class TieredConnectorScheduler:
@@ -54,7 +53,7 @@ class TieredConnectorScheduler:
         self._producing: dict[str, _Producing] = {}
         self._recvs: list[RecvSpec] = []
         self._drops: list[str] = []
-        self._waiting_remote: dict[str, tuple[tuple[str, int], str]] = {}  # consumer req -> (producer, tid)
+        self._waiting_remote: dict[str, tuple[list[tuple[str, int]], str]] = {}  # req -> (producer ranks, tid)
         self._warned_push = False
         self._secret = load_secret(config.secret_file)
         self._compat = wire.compat_hash("tiered")
@@ -87,9 +86,9 @@ class TieredConnectorScheduler:
             tp = kvparams.parse(p, None, self.block_size)
         except TransferError:
             return  # reported when the load is attempted
-        addr = (tp.addrs[0].host, tp.addrs[0].port)
-        self._waiting_remote[request.request_id] = (addr, tp.transfer_id)
-        self._keeper.track(request.request_id, addr, tp.transfer_id)
+        addrs = [(a.host, a.port) for a in tp.addrs]  # every tensor-parallel rank holds a shard
+        self._waiting_remote[request.request_id] = (addrs, tp.transfer_id)
+        self._keeper.track(request.request_id, addrs, tp.transfer_id)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         p = request.kv_transfer_params
@@ -113,13 +112,12 @@ class TieredConnectorScheduler:
                                p.get("transfer_mode"))
             self._producing.setdefault(request.request_id, _Producing(
                 transfer_id=f"{self.engine_id}:{request.request_id}",
-                prompt_len=len(request.prompt_token_ids or ()), first_scheduled=time.monotonic()))
+                prompt_len=len(request.prompt_token_ids or ())))
             return
         if not (p.get("do_remote_prefill") and kvparams.KEY in p) or num_external_tokens <= 0:
             return
         p["do_remote_prefill"] = False  # one load per request, also after a preemption
-        if self._keeper is not None:
-            self._keeper.untrack(request.request_id)  # the worker's pull renews from here on
+        # Keep renewing until the request finishes: the pull may wait for a free pull thread.
         self._waiting_remote.pop(request.request_id, None)
         prompt = list(request.prompt_token_ids or ())
         local_tokens = len(prompt) - num_external_tokens
@@ -174,6 +172,12 @@ class TieredConnectorScheduler:
         st.staged_blocks = end_block
         st.sealed = end_tokens >= st.prompt_len
 
+    def update_connector_output(self, output: Any) -> None:
+        """Loads that finished (or failed) need no more heartbeats."""
+        if self._keeper is not None:
+            for req_id in getattr(output, "finished_recving", None) or ():
+                self._keeper.untrack(req_id)
+
     # ------------------------------------------------------------------ finish
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
         from vllm.v1.request import RequestStatus
@@ -191,14 +195,17 @@ class TieredConnectorScheduler:
                 v=kvparams.PARAMS_VERSION, transfer_id=st.transfer_id, addrs=self._addrs,
                 num_tokens=len(prompt), num_blocks=-(-len(prompt) // self.block_size), block_size=self.block_size,
                 fingerprint=self._fingerprint, prompt_hash=kvparams.prompt_hash(prompt),
-                lease_ttl_s=max(0.001, self.config.lease_ttl_s - (time.monotonic() - st.first_scheduled)),
+                lease_ttl_s=self.config.lease_ttl_s,  # renewed when the entry was sealed, just now
                 issued_at=time.time(), transport=self.config.transport, shm_path=self._shm_path)
             # False: the engine's blocks are free now; the staged copy serves the consumer.
             return False, kvparams.producer_params(ticket, self.engine_id)
         waiting = self._waiting_remote.pop(req_id, None)
-        if waiting is not None and self._keeper is not None:
-            # Aborted before its KV was pulled: tell the producer now instead of at expiry.
-            self._keeper.release(req_id, *waiting)
+        if self._keeper is not None:
+            if waiting is not None:
+                # Aborted before its KV was pulled: tell the producer now instead of at expiry.
+                self._keeper.release(req_id, *waiting)
+            else:
+                self._keeper.untrack(req_id)
         return False, None
 
     def shutdown(self) -> None:

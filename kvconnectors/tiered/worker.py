@@ -50,6 +50,8 @@ class TieredConnectorWorker:
         self.is_producer, self.is_consumer = ktc.is_kv_producer, ktc.is_kv_consumer
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        names = getattr(vllm_config.model_config, "served_model_name", None) or ""
+        self._model_name = names[0] if isinstance(names, (list, tuple)) else str(names)
         resolve = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
         self._cache_layout = str(resolve()) if resolve else "unknown"
         self._secret = load_secret(config.secret_file)
@@ -66,7 +68,7 @@ class TieredConnectorWorker:
         self._checksums: dict[str, np.ndarray] = {}
         self._staging_failed: dict[str, TransferError] = {}
         # consumer results (pull threads -> forward thread)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._done: set[str] = set()
         self._failed: dict[str, TransferError] = {}
         self.stats = TieredStats()    # this interval's, handed to vLLM and reset
@@ -84,7 +86,8 @@ class TieredConnectorWorker:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
-        self.layout = detect_layout(kv_caches, self.block_size, self._cache_layout, self.tp_size, tp_rank)
+        self.layout = detect_layout(kv_caches, self.block_size, self._cache_layout, self.tp_size, tp_rank,
+                                    model=self._model_name)
         self._blocks = block_arrays(kv_caches)
         # per layer: address of block 0 and the block stride, so a nixl pull computes its
         # destination addresses in one numpy expression instead of one lookup per block
@@ -138,6 +141,9 @@ class TieredConnectorWorker:
             except TransferError as exc:
                 self._fail_staging(tid, exc)
                 continue
+            except (OSError, ValueError) as exc:  # a disk error or a bad spec fails this transfer, not the engine
+                self._fail_staging(tid, TransferError(FailureCause.PROTOCOL, f"staging error: {exc!r}"))
+                continue
             sums = self._checksums[tid][layer]
             for i, row in enumerate(data):
                 sums[spec.first_block + i] = xxhash.xxh3_64_intdigest(row)
@@ -155,6 +161,8 @@ class TieredConnectorWorker:
                 continue
             try:
                 self.store.seal(spec.transfer_id, {"xxh3": sums.reshape(-1).tolist()} if self.config.checksum else None)
+                # The lease started at the first staged layer; a long prefill must not eat it.
+                self.store.renew(spec.transfer_id)
                 sealed = True
             except (TransferError, ValueError) as exc:
                 self._fail_staging(spec.transfer_id, TransferError(FailureCause.PROTOCOL, f"seal failed: {exc}"))
@@ -281,7 +289,13 @@ class TieredConnectorWorker:
                                  fingerprint=layout.fingerprint, deadline=deadline, verify=self.config.checksum,
                                  data_path=data_path, nixl=sink, dest_addrs=dest_addrs)
             if data_path == "inline":
-                client.release(p.transfer_id, deadline)  # the shm path released inside read()
+                # The KV has landed and been verified: a slow or failed release must not fail the
+                # load (the lease ends the entry anyway), so give it its own short deadline.
+                try:
+                    client.release(p.transfer_id, time.monotonic() + self.config.connect_timeout_s)
+                except TransferError as exc:
+                    logger.warning("release of %s failed after a good pull (it will expire): %s",
+                                   p.transfer_id, exc)
         return nbytes
 
     def _nixl(self) -> nixl_transport.NixlSink:
@@ -311,8 +325,9 @@ class TieredConnectorWorker:
             logger.error("KV load for request %s failed: %s", req_id, error)
 
     def _record(self, what: str, *args: object) -> None:
-        for stats in (self.stats, self.totals):
-            getattr(stats, what)(*args)
+        with self._lock:  # the forward thread and the pull threads both record
+            for stats in (self.stats, self.totals):
+                getattr(stats, what)(*args)
 
     def take_results(self) -> tuple[set[str], dict[str, TransferError]]:
         with self._lock:

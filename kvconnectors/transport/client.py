@@ -58,12 +58,12 @@ class StoreClient:
         if not ack.ok:
             raise TransferError(FailureCause.AUTH, f"producer {self.address}: {ack.message}")
 
-    def _expect(self, kind: type, deadline: float):
-        msg = wire.recv_msg(self.sock, deadline)
+    def _expect(self, kind: type, deadline: float, max_bytes: int = wire.MAX_CONTROL_BYTES):
+        msg = wire.recv_msg(self.sock, deadline, max_bytes)
         if isinstance(msg, kind) and (kind is wire.Welcome or getattr(msg, "ok", True)):
             return msg
         if isinstance(msg, (wire.Ack, wire.ReadReply)) and not msg.ok:
-            raise TransferError(FailureCause(msg.cause or "protocol"), f"producer {self.address}: {msg.message}")
+            raise TransferError(_cause(msg.cause), f"producer {self.address}: {msg.message}")
         raise TransferError(FailureCause.PROTOCOL, f"expected {kind.__name__} from {self.address}, "
                                                    f"got {type(msg).__name__}")
 
@@ -92,7 +92,9 @@ class StoreClient:
             raise TransferError(FailureCause.PROTOCOL, "data_path 'nixl' needs the consumer's NIXL agent (nixl=)")
         self._send(wire.Read(transfer_id=transfer_id, layers=list(layers), first_block=first_block,
                              num_blocks=num_blocks, fingerprint=fingerprint, data_path=data_path))
-        reply = self._expect(wire.ReadReply, deadline)
+        # Checksums and offsets grow with the prompt: allow ~32 bytes per (layer, block) beyond the
+        # usual control-frame limit, still bounded by what this read asked for.
+        reply = self._expect(wire.ReadReply, deadline, wire.MAX_CONTROL_BYTES + 32 * len(dest))
         sums = reply.checksums if verify else None
         if data_path == "nixl":
             return self._then_release(transfer_id, deadline, lambda: self._read_nixl(
@@ -176,9 +178,16 @@ class StoreClient:
                 verify_checksums(sums[i:i + 1], [view], transfer_id, first=i, of=len(dest))
         return slot * len(dest)
 
-    def renew(self, transfer_ids: Sequence[str], deadline: float) -> wire.RenewReply:
-        wire.send_msg(self.sock, wire.Renew(transfer_ids=list(transfer_ids)))
-        return self._expect(wire.RenewReply, deadline)
+    def renew(self, transfer_ids: Sequence[str], deadline: float, batch: int = 4096) -> wire.RenewReply:
+        """Renew many leases, in frames of at most `batch` ids (the server's limit)."""
+        out = wire.RenewReply(remaining={}, missing={})
+        ids = list(transfer_ids)
+        for i in range(0, len(ids), batch):
+            wire.send_msg(self.sock, wire.Renew(transfer_ids=ids[i:i + batch]))
+            reply = self._expect(wire.RenewReply, deadline)
+            out.remaining.update(reply.remaining)
+            out.missing.update(reply.missing)
+        return out
 
     def release(self, transfer_id: str, deadline: float) -> None:
         wire.send_msg(self.sock, wire.Release(transfer_id=transfer_id))
@@ -187,6 +196,14 @@ class StoreClient:
     def status(self, deadline: float) -> wire.StatusReply:
         wire.send_msg(self.sock, wire.Status())
         return self._expect(wire.StatusReply, deadline)
+
+
+def _cause(name: str) -> FailureCause:
+    """A peer's cause string; one this version does not know (a newer peer) reads as protocol."""
+    try:
+        return FailureCause(name or "protocol")
+    except ValueError:
+        return FailureCause.PROTOCOL
 
 
 def block_checksum(view) -> int:

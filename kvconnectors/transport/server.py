@@ -23,6 +23,7 @@ from kvconnectors.transport.faults import FaultPlan, FaultRule, corrupted
 from kvconnectors.transport.nixl import NixlSource
 
 logger = logging.getLogger(__name__)
+MAX_RENEW = 4096  # transfer ids per Renew message
 
 
 @dataclass
@@ -45,13 +46,14 @@ class StoreServer:
                  num_layers: int, compat: str, secret: bytes | None = None,
                  idle_timeout_s: float = 300.0, seal_wait_s: float = 10.0,
                  staging_failure: Callable[[str], TransferError | None] | None = None,
-                 faults: FaultPlan | None = None, nixl: bool = False):
+                 faults: FaultPlan | None = None, max_connections: int = 256, nixl: bool = False):
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
         self.compat, self.secret = compat, secret
         self.idle_timeout_s, self.seal_wait_s = idle_timeout_s, seal_wait_s
         self.staging_failure = staging_failure or (lambda tid: None)
         self.counters = ServerCounters()
         self.faults = faults
+        self.max_connections = max_connections
         self._lock = threading.Lock()
         self._sealed = threading.Condition()
         self._conns: set[socket.socket] = set()
@@ -81,8 +83,17 @@ class StoreServer:
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # listener shut down
-            threading.Thread(target=self._serve_connection, args=(sock,), name="kvc-store-conn",
-                             daemon=True).start()
+            if self.active_connections >= self.max_connections:
+                # One thread per connection: bound them, or a flood of idle peers exhausts the worker.
+                self.counters.reject("too_many_connections")
+                sock.close()
+                continue
+            try:
+                threading.Thread(target=self._serve_connection, args=(sock,), name="kvc-store-conn",
+                                 daemon=True).start()
+            except RuntimeError:  # cannot start a thread: refuse this peer, keep accepting
+                self.counters.reject("too_many_connections")
+                sock.close()
 
     # ------------------------------------------------------------------ lifecycle
     def notify_sealed(self) -> None:
@@ -223,8 +234,11 @@ class StoreServer:
         if msg.fingerprint != self.fingerprint:
             raise TransferError(FailureCause.LAYOUT_MISMATCH, (
                 f"consumer KV layout {msg.fingerprint} differs from this producer's {self.fingerprint}"))
-        if not msg.layers or any(not 0 <= layer < self.num_layers for layer in msg.layers):
-            raise TransferError(FailureCause.PROTOCOL, f"layers {msg.layers[:8]} outside [0, {self.num_layers})")
+        if (not msg.layers or len(msg.layers) > self.num_layers or len(set(msg.layers)) != len(msg.layers)
+                or any(not 0 <= layer < self.num_layers for layer in msg.layers)):
+            raise TransferError(FailureCause.PROTOCOL, (
+                f"layers {msg.layers[:8]}{'...' if len(msg.layers) > 8 else ''}: need distinct layers "
+                f"in [0, {self.num_layers})"))
         if msg.first_block < 0 or msg.num_blocks < 1:
             raise TransferError(FailureCause.PROTOCOL,
                                 f"bad block range first_block={msg.first_block} num_blocks={msg.num_blocks}")
@@ -289,14 +303,21 @@ class StoreServer:
         action = fault.action if fault is not None else None
         slot = self.store.slot_bytes
         sent = 0
-        for blocks in layers:
-            if action == "corrupt":  # per block, whatever runs the views span
-                blocks = [memoryview(corrupted(b[i:i + slot])) for b in blocks for i in range(0, len(b), slot)]
-            elif action == "truncate" and sent + sum(len(b) for b in blocks) > nbytes // 2:
-                sock.shutdown(socket.SHUT_RDWR)
-                return
-            send_all(sock, blocks)
-            sent += sum(len(b) for b in blocks)
+        try:
+            for blocks in layers:
+                if action == "corrupt":  # per block, whatever runs the views span
+                    blocks = [memoryview(corrupted(b[i:i + slot])) for b in blocks for i in range(0, len(b), slot)]
+                elif action == "truncate" and sent + sum(len(b) for b in blocks) > nbytes // 2:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    return
+                send_all(sock, blocks)
+                sent += sum(len(b) for b in blocks)
+        except TransferError as exc:
+            # The OK reply is out and bytes may have followed: an error frame now would be read as
+            # KV bytes. Hang up instead; the consumer sees a short stream (peer_unreachable).
+            logger.warning("read of %s failed after %d of %d bytes: %s", msg.transfer_id, sent, nbytes, exc)
+            sock.shutdown(socket.SHUT_RDWR)
+            return
         with self._lock:
             self.counters.bytes_sent += nbytes
             self.counters.reads += 1
@@ -339,12 +360,21 @@ class StoreServer:
             logger.info("consumer %s failed its %s read of %s: [%s] %s", _peer(sock), msg.data_path,
                         msg.transfer_id, done.cause, done.message)
         elif not isinstance(done, wire.Ack):
-            self._dispatch(sock, done)  # anything else is a request of its own
+            # Anything else while a read is open is out of protocol; dispatching it here would
+            # nest pins without bound. Drop the connection.
+            self.counters.reject("protocol")
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _renew(self, sock: socket.socket, msg: wire.Renew) -> None:
         remaining: dict[str, float] = {}
         missing: dict[str, str] = {}
-        for tid in msg.transfer_ids[:4096]:
+        if len(msg.transfer_ids) > MAX_RENEW:
+            raise TransferError(FailureCause.PROTOCOL, f"{len(msg.transfer_ids)} transfer ids in one Renew; "
+                                                       f"the limit is {MAX_RENEW}")
+        for tid in msg.transfer_ids:
             try:
                 remaining[tid] = self.store.renew(tid)
             except TransferError as exc:

@@ -1,0 +1,65 @@
+"""The consumer's lease keeper against real store servers (two tensor-parallel ranks)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvconnectors.store import StoreConfig, TieredStore
+from kvconnectors.tiered.lease_keeper import LeaseKeeper
+from kvconnectors.transport import wire
+from kvconnectors.transport.client import StoreClient
+from kvconnectors.transport.server import StoreServer
+
+SLOT = 4096
+COMPAT = wire.compat_hash("tiered")
+
+
+def _rank(ttl: float):
+    store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=16 * SLOT, lease_ttl_s=ttl))
+    store.create("t", 1, 2)
+    store.write("t", 0, 0, np.zeros((2, SLOT), np.uint8))
+    store.seal("t")
+    return store, StoreServer(store, "127.0.0.1", 0, fingerprint="f", num_layers=1, compat=COMPAT)
+
+
+def _client(addr):
+    return StoreClient(addr[0], addr[1], compat=COMPAT)
+
+
+def test_keeper_renews_every_rank_and_releases_them_on_abort() -> None:
+    ranks = [_rank(ttl=1.0) for _ in range(2)]
+    addrs = [("127.0.0.1", srv.port) for _, srv in ranks]
+    keeper = LeaseKeeper(0.3, _client)
+    try:
+        keeper.track("req-1", addrs, "t")
+        time.sleep(2.0)  # twice the TTL: only renewals keep the entries alive
+        assert all(store.contains("t") for store, _ in ranks), "a rank's lease lapsed while tracked"
+        assert keeper.renewals >= 2 * 4
+        keeper.release("req-1", addrs, "t")
+        deadline = time.monotonic() + 5
+        while any(store.contains("t") for store, _ in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(store.contains("t") for store, _ in ranks), "abort did not release every rank"
+        assert keeper.releases == 2
+    finally:
+        keeper.close()
+        for store, srv in ranks:
+            srv.close()
+            store.close()
+
+
+def test_keeper_survives_a_dead_peer_and_keeps_renewing_the_live_one() -> None:
+    store, srv = _rank(ttl=1.0)
+    keeper = LeaseKeeper(0.3, _client, rpc_timeout_s=0.5)
+    try:
+        keeper.track("dead", [("127.0.0.1", 9)], "x")   # nothing listens on port 9
+        keeper.track("live", [("127.0.0.1", srv.port)], "t")
+        time.sleep(2.0)
+        assert store.contains("t")
+        assert keeper._thread.is_alive()
+    finally:
+        keeper.close()
+        srv.close()
+        store.close()
