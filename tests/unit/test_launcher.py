@@ -186,14 +186,9 @@ def test_generated_configs_are_valid_kv_transfer_configs():
 
 @pytest.fixture
 def fake_env(tmp_path_factory):
-    from test_serving_fake import FAKE_API_SERVER  # same fake as the serving tests
+    from test_serving_fake import write_fake_vllm  # same fake as the serving tests
 
-    root = tmp_path_factory.mktemp("fakevllm")
-    pkg = root / "vllm" / "entrypoints" / "openai"
-    pkg.mkdir(parents=True)
-    for d in (root / "vllm", root / "vllm" / "entrypoints", pkg):
-        (d / "__init__.py").write_text("")
-    (pkg / "api_server.py").write_text(FAKE_API_SERVER)
+    root = write_fake_vllm(tmp_path_factory.mktemp("fakevllm"))
     env = dict(os.environ, PYTHONPATH=str(root))
     return env
 

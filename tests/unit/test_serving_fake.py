@@ -66,15 +66,19 @@ FAKE_API_SERVER = textwrap.dedent('''
 ''')
 
 
-@pytest.fixture(scope="module")
-def fake_vllm(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("fakevllm")
+def write_fake_vllm(root: Path) -> Path:
+    """A `vllm.entrypoints.openai.api_server` module under `root` (put it first on PYTHONPATH)."""
     pkg = root / "vllm" / "entrypoints" / "openai"
     pkg.mkdir(parents=True)
     for d in (root / "vllm", root / "vllm" / "entrypoints", pkg):
         (d / "__init__.py").write_text("")
     (pkg / "api_server.py").write_text(FAKE_API_SERVER)
     return root
+
+
+@pytest.fixture(scope="module")
+def fake_vllm(tmp_path_factory) -> Path:
+    return write_fake_vllm(tmp_path_factory.mktemp("fakevllm"))
 
 
 @pytest.fixture
