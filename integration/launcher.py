@@ -106,8 +106,11 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
         kv_addr = None
         if args.connector == "TieredConnector":
             store_port = port_fn()
+            # push: decode instances run a landing store at store_port; the proxy passes its
+            # address to the prefill instance, which streams layer groups there.
+            mode = {"kv_connector_extra_config": {"transfer_mode": "push"}} if args.mode == "push" else {}
             cfg = kv_transfer_config("TieredConnector", kv_role, transport=args.transport,
-                                     store_port=store_port, extra=extra)
+                                     store_port=store_port, extra=deep_merge(mode, extra))
             port_in_cfg = cfg.get("kv_connector_extra_config", {}).get("store_port", store_port)
             kv_addr = f"{args.host}:{port_in_cfg}"
         else:
@@ -156,10 +159,6 @@ def validate(args: argparse.Namespace) -> None:
         if args.mode == "push":
             raise ValueError("--mode push needs TieredConnector (NixlConnector's own push flow is not "
                              "driven by this proxy)")
-    if args.connector == "TieredConnector" and args.mode == "push":
-        # The proxy speaks push mode, but TieredConnector does not implement it yet: refuse rather
-        # than silently fall back to pull.
-        raise ValueError("--mode push: TieredConnector implements pull mode only in this release")
 
 
 def json_object(value: str) -> dict[str, Any]:

@@ -247,11 +247,16 @@ class TieredStore:
                        hits_dram=int(n_bytes == 0), hits_nvme=int(n_bytes > 0))
 
     @contextmanager
-    def pinned_views(self, key: str, layers: range | Sequence[int] | None = None) -> Iterator[PinnedEntry]:
+    def pinned_views(self, key: str, layers: range | Sequence[int] | None = None, *,
+                     unsealed: bool = False) -> Iterator[PinnedEntry]:
         """Make the entry's `layers` (default all) DRAM-resident, restoring spilled slots (spilling
         other sealed idle entries if needed; StoreFullError if even that cannot make room), and pin
-        the entry while the with-block runs. Yields views and arena offsets for zero-copy senders."""
-        e, view = self._pin(key, layers)
+        the entry while the with-block runs. Yields views and arena offsets for zero-copy senders.
+
+        unsealed=True (push mode: layer groups leave while later layers are still staged) pins an
+        entry still being written; its slots must already be in DRAM (an unsealed entry is never
+        spilled, but may have started on NVMe when DRAM was short: StoreFullError then)."""
+        e, view = self._pin(key, layers, unsealed)
         try:
             yield view
         finally:
@@ -640,10 +645,11 @@ class TieredStore:
         finally:
             e.spilling = False
 
-    def _pin(self, key: str, layers: range | Sequence[int] | None) -> tuple[Entry, PinnedEntry]:
+    def _pin(self, key: str, layers: range | Sequence[int] | None,
+             unsealed: bool = False) -> tuple[Entry, PinnedEntry]:
         with self._cond:
             while True:
-                e = self._usable(key)
+                e = self._live(key) if unsealed else self._usable(key)
                 if not e.restoring:
                     break
                 self._cond.wait()
@@ -653,6 +659,8 @@ class TieredStore:
                     raise IndexError(f"layer {layer} out of range [0, {e.num_layers}) for {key!r}")
             pos = np.concatenate([np.arange(l * e.num_blocks, (l + 1) * e.num_blocks) for l in chosen] + [_EMPTY])
             need = pos[e.loc[pos] < 0]
+            if need.size and not e.sealed:
+                raise StoreFullError(f"cannot pin unsealed {key!r}: {need.size} of its slots started on NVMe")
             if need.size:
                 room = self._arena.free_slots + spillable_slots(self._entries.values(), exclude=e)
                 if need.size > room:

@@ -17,12 +17,16 @@ from kvconnectors.errors import ConfigError
 from kvconnectors.store.sizes import parse_size
 
 TRANSPORTS = ("tcp", "shm", "nixl")
+TRANSFER_MODES = ("pull", "push")
 FAILURE_POLICIES = ("fail", "recompute", "retry")
 
 
 @dataclass
 class TieredConfig:
     transport: str = "tcp"
+    transfer_mode: str = "pull"         # pull | push; a request may choose with kv_transfer_params
+    layer_group_size: int = 4           # push: layers per message, sent while later layers compute
+    layerwise_min_tokens: int = 256     # push: shorter prompts go in one message after the last layer
     bind_host: str = "127.0.0.1"
     advertise_host: str | None = None
     store_port: int = 0
@@ -45,6 +49,12 @@ class TieredConfig:
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ConfigError("transport", self.transport, f"must be one of {', '.join(TRANSPORTS)}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ConfigError("transfer_mode", self.transfer_mode, f"must be one of {', '.join(TRANSFER_MODES)}")
+        for key in ("layer_group_size", "layerwise_min_tokens"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "layer_group_size" else 0):
+                raise ConfigError(key, v, "must be an integer >= " + ("1" if key == "layer_group_size" else "0"))
         _host("bind_host", self.bind_host)
         if self.advertise_host is None:
             if self.bind_host in ("0.0.0.0", "::"):

@@ -76,6 +76,17 @@ class TieredConnector(KVConnectorBase_V1):
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
 
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        if num_external_tokens == 0 or self.connector_scheduler is None:
+            return {}
+        return {self.connector_scheduler.hit_source(request): num_external_tokens}
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Push mode stages and sends from save_kv_layer between layers; a captured full graph
+        # would skip those calls on replay.
+        return (extra_config or {}).get("transfer_mode", "pull") == "push"
+
     def update_connector_output(self, connector_output: Any) -> None:
         if self.connector_scheduler is not None:
             self.connector_scheduler.update_connector_output(connector_output)

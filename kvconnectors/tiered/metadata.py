@@ -22,6 +22,8 @@ class SaveSpec:
     first_block: int
     total_blocks: int         # blocks of the whole prompt (the store entry's size)
     seal: bool                # this step completes the prompt: seal after the copies
+    push_target: str = ""     # push mode: landing store "host:port" of rank 0 (rank r: port + r)
+    layerwise: bool = True    # push: send each layer group as it is staged (else all after the last)
 
 
 @dataclass

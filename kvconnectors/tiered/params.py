@@ -15,7 +15,7 @@ import xxhash
 
 from kvconnectors.errors import FailureCause, TransferError
 
-PARAMS_VERSION = 1
+PARAMS_VERSION = 2  # 2: push_target
 KEY = "kvc"
 _MAX_TOKENS = 1 << 24
 
@@ -26,7 +26,7 @@ class PeerAddress(msgspec.Struct, array_like=True):
 
 
 class TransferParams(msgspec.Struct, forbid_unknown_fields=True):
-    """The consumer's ticket to one staged transfer. Version 1."""
+    """The consumer's ticket to one staged transfer. Version 2."""
     v: int
     transfer_id: str
     addrs: list[PeerAddress]        # producer store server per tensor-parallel rank
@@ -39,6 +39,7 @@ class TransferParams(msgspec.Struct, forbid_unknown_fields=True):
     issued_at: float                # producer wall clock at issue, for diagnostics only
     transport: str = "tcp"
     shm_path: str = ""
+    push_target: str = ""           # push mode: the landing store (rank 0) the producer streamed to
 
 
 def prompt_hash(token_ids: list[int]) -> str:

@@ -51,6 +51,13 @@ class TieredPromMetrics(KVConnectorPromMetrics):
             documentation="Duration of one request's KV pull, connect to last byte."))
         self.retries = per_engine(c(name="kvconnectors:transfer_retries", labelnames=labelnames,
                                     documentation="KV pulls retried after a transient fault (failure_policy retry)."))
+        self.pushes = per_engine(c(name="kvconnectors:pushes", labelnames=labelnames,
+                                   documentation="Transfers pushed to a decode instance's landing store (prefill side)."))
+        self.pushed_bytes = per_engine(c(name="kvconnectors:pushed_bytes", labelnames=labelnames,
+                                         documentation="KV bytes pushed to decode instances (prefill side)."))
+        self.push_fallbacks = per_engine(c(name="kvconnectors:push_fallbacks", labelnames=labelnames,
+                                           documentation="Pushed transfers that did not land, pulled instead "
+                                                         "(decode side)."))
         self.failures = c(name="kvconnectors:transfer_failures", labelnames=[*labelnames, "cause"],
                           documentation="KV transfer and staging failures by cause.")
         self.store_counters = {
@@ -70,6 +77,12 @@ class TieredPromMetrics(KVConnectorPromMetrics):
             self.staged_bytes[engine_idx].inc(data["bytes_staged"])
         if data.get("retries"):
             self.retries[engine_idx].inc(data["retries"])
+        if data.get("pushes"):
+            self.pushes[engine_idx].inc(data["pushes"])
+        if data.get("bytes_pushed"):
+            self.pushed_bytes[engine_idx].inc(data["bytes_pushed"])
+        if data.get("push_fallbacks"):
+            self.push_fallbacks[engine_idx].inc(data["push_fallbacks"])
         for seconds in data.get("transfer_seconds", []):
             self.transfer_time[engine_idx].observe(seconds)
         labels = self.per_engine_labelvalues[engine_idx]

@@ -24,6 +24,7 @@ from kvconnectors.tiered.metadata import (RecvSpec, SaveSpec, TieredConnectorMet
 from kvconnectors.transport import wire
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
+from kvconnectors.transport.push import parse_target
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -40,6 +41,7 @@ class _Producing:
     block_ids: list[int] = field(default_factory=list)
     staged_blocks: int = 0       # blocks already handed to the worker in earlier steps
     sealed: bool = False         # the step that completes the prompt has been scheduled
+    push_target: str = ""        # push mode: the consumer's landing store (rank 0), "host:port"
 
 
 class TieredConnectorScheduler:
@@ -55,6 +57,7 @@ class TieredConnectorScheduler:
         self._drops: list[str] = []
         self._waiting_remote: dict[str, tuple[list[tuple[str, int]], str]] = {}  # req -> (producer ranks, tid)
         self._warned_push = False
+        self._pushed: set[str] = set()  # consumer requests whose KV is pushed into our landing store
         self._secret = load_secret(config.secret_file)
         self._compat = wire.compat_hash("tiered")
         self._keeper: LeaseKeeper | None = None
@@ -88,6 +91,11 @@ class TieredConnectorScheduler:
             return  # reported when the load is attempted
         addrs = [(a.host, a.port) for a in tp.addrs]  # every tensor-parallel rank holds a shard
         self._waiting_remote[request.request_id] = (addrs, tp.transfer_id)
+        if tp.push_target and self.config.transfer_mode == "push":
+            # Pushed here: the copy that matters is in our own landing store, under its own lease
+            # (the producer releases its staged copy once the push has landed).
+            self._pushed.add(request.request_id)
+            return
         self._keeper.track(request.request_id, addrs, tp.transfer_id)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -105,14 +113,10 @@ class TieredConnectorScheduler:
         if not p:
             return
         if p.get("do_remote_decode"):
-            if p.get("transfer_mode", "pull") != "pull" and not self._warned_push:
-                self._warned_push = True
-                logger.warning("kv_transfer_params asks for transfer_mode=%r; TieredConnector implements pull "
-                               "only in this release: the KV is staged here and pulled by the consumer",
-                               p.get("transfer_mode"))
-            self._producing.setdefault(request.request_id, _Producing(
-                transfer_id=f"{self.engine_id}:{request.request_id}",
-                prompt_len=len(request.prompt_token_ids or ())))
+            if request.request_id not in self._producing:
+                self._producing[request.request_id] = _Producing(
+                    transfer_id=f"{self.engine_id}:{request.request_id}",
+                    prompt_len=len(request.prompt_token_ids or ()), push_target=self._push_target(p))
             return
         if not (p.get("do_remote_prefill") and kvparams.KEY in p) or num_external_tokens <= 0:
             return
@@ -131,6 +135,25 @@ class TieredConnectorScheduler:
         except TransferError as exc:
             spec.error_cause, spec.error_message = exc.cause, str(exc)
         self._recvs.append(spec)
+
+    def _push_target(self, p: dict) -> str:
+        """The landing store to push to, or "" for pull. A request that asks for push without a
+        usable target is served in pull mode (its ticket still works) and the reason is logged."""
+        mode = p.get("transfer_mode", self.config.transfer_mode)
+        if mode == "pull":
+            return ""
+        target = p.get("push_target")
+        try:
+            if mode != "push":
+                raise ValueError(f"transfer_mode={mode!r}: must be pull or push")
+            parse_target(target)
+        except ValueError as exc:
+            if not self._warned_push:
+                self._warned_push = True
+                logger.warning("kv_transfer_params: %s; staging for pull instead (the proxy passes push_target "
+                               "when it runs with --mode push)", exc)
+            return ""
+        return target
 
     # ------------------------------------------------------------------ every step
     def build_connector_meta(self, so: "SchedulerOutput") -> TieredConnectorMetadata:
@@ -168,9 +191,18 @@ class TieredConnectorScheduler:
         total = -(-st.prompt_len // self.block_size)
         meta.saves.append(SaveSpec(req_id=req_id, transfer_id=st.transfer_id,
                                    block_ids=st.block_ids[first_block:end_block], first_block=first_block,
-                                   total_blocks=total, seal=end_tokens >= st.prompt_len))
+                                   total_blocks=total, seal=end_tokens >= st.prompt_len,
+                                   push_target=st.push_target,
+                                   layerwise=st.prompt_len >= self.config.layerwise_min_tokens))
         st.staged_blocks = end_block
         st.sealed = end_tokens >= st.prompt_len
+
+    def hit_source(self, request: "Request") -> Any:
+        """vLLM's prompt_tokens_cached_by_source: pulled KV comes from a peer; pushed KV is read
+        from this instance's own host-memory landing store."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        return CacheHitSource.HOST if request.request_id in self._pushed else CacheHitSource.P2P
 
     def update_connector_output(self, output: Any) -> None:
         """Loads that finished (or failed) need no more heartbeats."""
@@ -196,10 +228,16 @@ class TieredConnectorScheduler:
                 num_tokens=len(prompt), num_blocks=-(-len(prompt) // self.block_size), block_size=self.block_size,
                 fingerprint=self._fingerprint, prompt_hash=kvparams.prompt_hash(prompt),
                 lease_ttl_s=self.config.lease_ttl_s,  # renewed when the entry was sealed, just now
-                issued_at=time.time(), transport=self.config.transport, shm_path=self._shm_path)
+                issued_at=time.time(), transport=self.config.transport, shm_path=self._shm_path,
+                push_target=st.push_target)
             # False: the engine's blocks are free now; the staged copy serves the consumer.
             return False, kvparams.producer_params(ticket, self.engine_id)
         waiting = self._waiting_remote.pop(req_id, None)
+        if req_id in self._pushed:
+            self._pushed.discard(req_id)
+            if waiting is not None:  # aborted before its load: free the landed copy now
+                self._drops.append(waiting[1])
+            return False, None
         if self._keeper is not None:
             if waiting is not None:
                 # Aborted before its KV was pulled: tell the producer now instead of at expiry.

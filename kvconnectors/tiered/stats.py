@@ -11,7 +11,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-_COUNTERS = ("transfers", "bytes_received", "bytes_staged", "blocks_staged", "staging_failures", "retries")
+_COUNTERS = ("transfers", "bytes_received", "bytes_staged", "blocks_staged", "staging_failures", "retries",
+             "pushes", "bytes_pushed", "push_fallbacks")
 
 
 def _empty() -> dict[str, Any]:
@@ -41,6 +42,14 @@ class TieredStats(KVConnectorStats):
 
     def record_retry(self, cause: str) -> None:
         self.data["retries"] += 1
+
+    def record_push(self, nbytes: int) -> None:
+        self.data["pushes"] += 1
+        self.data["bytes_pushed"] += nbytes
+
+    def record_push_fallback(self, cause: str) -> None:
+        """A pushed transfer did not land here; the consumer pulled it from the producer instead."""
+        self.data["push_fallbacks"] += 1
 
     def record_staging_failure(self, cause: str) -> None:
         self.data["staging_failures"] += 1
@@ -72,6 +81,10 @@ class TieredStats(KVConnectorStats):
             "Failed transfers": sum(self.data["failures"].values()),
             "Retries": self.data["retries"],
         }
+        if self.data["pushes"] or self.data["push_fallbacks"]:
+            out["Layer groups pushed"] = self.data["pushes"]
+            out["MB pushed"] = round(self.data["bytes_pushed"] / 1e6, 3)
+            out["Push fallbacks to pull"] = self.data["push_fallbacks"]
         for cause, n in sorted(self.data["failures"].items()):
             out[f"Failed: {cause}"] = n
         gauges = (self.data.get("store") or {}).get("gauges")
@@ -83,6 +96,7 @@ class TieredStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not (self.data["transfers"] or self.data["bytes_staged"] or self.data["failures"]
+                    or self.data["pushes"] or self.data["push_fallbacks"]
                     or self.data.get("store"))
 
     def clone_and_reset(self) -> "TieredStats":

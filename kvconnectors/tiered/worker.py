@@ -1,10 +1,14 @@
 """Worker side of TieredConnector (runs in every vLLM worker process).
 
-Producer: after each attention layer, copy the request's newly computed blocks of that layer
-(whole blocks, opaque bytes) into the host store; at the end of the step seal the entries
-whose prompt is complete. The store server in this process serves them to consumers.
+Producer: after each attention layer, hand the request's newly computed blocks of that layer
+(whole blocks, opaque bytes) to the staging thread, which copies them into the host store while
+the next layers compute; `wait_for_save` waits for those copies (vLLM may then reuse the blocks)
+and seals the entries whose prompt is complete. The store server in this process serves them to
+consumers. Push mode: the staging thread also hands each finished layer group to the push sender,
+which streams it to the decode instance's landing store (transport/push.py).
 Consumer: pull a ticket's blocks straight into the KV cache blocks vLLM allocated, off the
-forward thread, under a deadline; report every outcome (done or failed with a cause) through
+forward thread, under a deadline; in push mode wait for the pushed copy to land in this worker's
+own store and copy it in. Report every outcome (done or failed with a cause) through
 `get_transfer_results` so vLLM's `kv_load_failure_policy` acts on failures.
 """
 
@@ -28,19 +32,25 @@ from kvconnectors.store import StoreConfig, TieredStore
 from kvconnectors.store.reaper import Reaper
 from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.layout import KVLayout, block_arrays, detect_layout
-from kvconnectors.tiered.metadata import RecvSpec, TieredConnectorMetadata, TieredHandshakeMetadata
+from kvconnectors.tiered.metadata import RecvSpec, SaveSpec, TieredConnectorMetadata, TieredHandshakeMetadata
 from kvconnectors.tiered.params import TransferParams
 from kvconnectors.tiered.stats import TieredStats
 from kvconnectors.transport import nixl as nixl_transport
 from kvconnectors.transport import wire
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
+from kvconnectors.transport.landing import Landing
+from kvconnectors.transport.push import PushJob, PushSender, parse_target
 from kvconnectors.transport.server import StoreServer
 
 logger = logging.getLogger(__name__)
 _MAX_FAILURE_MEMORY = 10_000
 TRANSIENT = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT, FailureCause.CHECKSUM_MISMATCH,
                        FailureCause.PROTOCOL})
+# A push that broke on the wire leaves no consumer able to use the staged copy in time: release it.
+# A push the consumer refused (store full, bad checksum, ...) keeps it: the consumer pulls instead.
+_PUSH_LOST = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT})
+FIRST_CHUNK_GRACE_S = 5.0  # push: no chunk of a transfer landed by then -> pull from the producer
 
 
 class TieredConnectorWorker:
@@ -64,9 +74,16 @@ class TieredConnectorWorker:
         self.server: StoreServer | None = None
         self._reaper: Reaper | None = None
         self._store_last: tuple[dict, dict] = ({}, {})
-        # producer staging state (forward thread only)
+        # producer staging state (staging thread; the forward thread once it has drained)
         self._checksums: dict[str, np.ndarray] = {}
         self._staging_failed: dict[str, TransferError] = {}
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-stage")
+        self._staging: list = []                     # this step's copy futures
+        self._push_layers: dict[str, list[int]] = {}  # transfer -> staged layers not yet pushed
+        self._push_targets: dict[str, tuple[str, int]] = {}
+        self._stage_lock = threading.RLock()
+        self.pusher: PushSender | None = None
+        self.landing: Landing | None = None
         # consumer results (pull threads -> forward thread)
         self._lock = threading.RLock()
         self._done: set[str] = set()
@@ -94,7 +111,8 @@ class TieredConnectorWorker:
         self._block_base = np.array([a.ctypes.data for a in self._blocks], dtype=np.uint64)
         self._block_stride = np.array([a.strides[0] for a in self._blocks], dtype=np.uint64)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
-        if not self.is_producer:
+        landing = self.is_consumer and self.config.transfer_mode == "push"
+        if not (self.is_producer or landing):
             return
         cfg = self.config
         safe = re.sub(r"[^A-Za-z0-9_.]", "", self.engine_id)[:16] or "engine"
@@ -105,13 +123,23 @@ class TieredConnectorWorker:
         # Expiry is the backstop for consumers that never come: check a few times per TTL.
         self._reaper = Reaper(self.store, interval_s=min(1.0, cfg.lease_ttl_s / 4)).start()
         port = cfg.store_port + tp_rank if cfg.store_port else 0
+        if landing:
+            sink = (lambda: nixl_transport.NixlSink(tag=f"landing-{self.engine_id}")) \
+                if cfg.transport == "nixl" else None
+            self.landing = Landing(self.store, fingerprint=self.layout.fingerprint,
+                                   num_layers=self.layout.num_layers, nixl_sink_factory=sink)
         self.server = StoreServer(self.store, cfg.bind_host, port, fingerprint=self.layout.fingerprint,
                                   num_layers=self.layout.num_layers, compat=self._compat, secret=self._secret,
                                   staging_failure=self._staging_failed.get, faults=cfg.fault_plan,
-                                  nixl=cfg.transport == "nixl")
-        logger.info("TieredConnector store: %s DRAM, serving %s:%d (%s), block %d B x %d layers",
-                    cfg.dram_bytes, cfg.bind_host, self.server.port, cfg.transport, self.layout.block_bytes,
-                    self.layout.num_layers)
+                                  nixl=cfg.transport == "nixl" and self.is_producer, landing=self.landing)
+        if self.is_producer:
+            self.pusher = PushSender(self.store, fingerprint=self.layout.fingerprint,
+                                     num_layers=self.layout.num_layers, client_factory=self._client,
+                                     timeout_s=cfg.load_timeout_s, on_done=self._push_done,
+                                     nixl_source=self.server.nixl)
+        logger.info("TieredConnector store: %s DRAM, serving %s:%d (%s%s), block %d B x %d layers",
+                    cfg.dram_bytes, cfg.bind_host, self.server.port, cfg.transport,
+                    ", accepts pushes" if landing else "", self.layout.block_bytes, self.layout.num_layers)
 
     def get_handshake_metadata(self) -> TieredHandshakeMetadata | None:
         if self.server is None or self.layout is None:
@@ -122,52 +150,112 @@ class TieredConnectorWorker:
 
     # ------------------------------------------------------------------ producer
     def save_kv_layer(self, meta: TieredConnectorMetadata, layer_name: str) -> None:
+        """Called after each attention layer: hand its new blocks to the staging thread and return
+        (later layers never touch this layer's blocks, so they may be copied meanwhile)."""
         if not meta.saves or self.store is None:
             return
         layer = self._layer_index.get(layer_name)
-        if layer is None:
-            return
+        if layer is not None:
+            self._staging.append(self._stager.submit(self._stage_layer, layer, meta.saves))
+
+    def _stage_layer(self, layer: int, saves: list[SaveSpec]) -> None:
+        with self._stage_lock:  # the push sender may fail a transfer meanwhile
+            for spec in saves:
+                self._stage_spec(layer, spec)
+
+    def _stage_spec(self, layer: int, spec: SaveSpec) -> None:
         src = self._blocks[layer]
-        for spec in meta.saves:
-            tid = spec.transfer_id
-            if tid in self._staging_failed:
-                continue
-            try:
-                if tid not in self._checksums:
-                    self.store.create(tid, self.layout.num_layers, spec.total_blocks)
-                    self._checksums[tid] = np.zeros((self.layout.num_layers, spec.total_blocks), np.uint64)
-                data = src[spec.block_ids]  # one gather copy of whole blocks
-                self.store.write(tid, layer, spec.first_block, data)
-            except TransferError as exc:
-                self._fail_staging(tid, exc)
-                continue
-            except (OSError, ValueError) as exc:  # a disk error or a bad spec fails this transfer, not the engine
-                self._fail_staging(tid, TransferError(FailureCause.PROTOCOL, f"staging error: {exc!r}"))
-                continue
-            sums = self._checksums[tid][layer]
-            for i, row in enumerate(data):
-                sums[spec.first_block + i] = xxhash.xxh3_64_intdigest(row)
-            self._record("record_staged", data.nbytes, len(spec.block_ids))
+        tid = spec.transfer_id
+        if tid in self._staging_failed or not spec.block_ids:
+            return
+        try:
+            if tid not in self._checksums:
+                self.store.create(tid, self.layout.num_layers, spec.total_blocks)
+                self._checksums[tid] = np.zeros((self.layout.num_layers, spec.total_blocks), np.uint64)
+                if spec.push_target:
+                    self._push_targets[tid] = self._rank_target(spec.push_target)
+            data = src[spec.block_ids]  # one gather copy of whole blocks
+            self.store.write(tid, layer, spec.first_block, data)
+        except TransferError as exc:
+            self._fail_staging(tid, exc)
+            return
+        except (OSError, ValueError) as exc:  # a disk error or a bad spec fails this transfer, not the engine
+            self._fail_staging(tid, TransferError(FailureCause.PROTOCOL, f"staging error: {exc!r}"))
+            return
+        sums = self._checksums[tid][layer]
+        for i, row in enumerate(data):
+            sums[spec.first_block + i] = xxhash.xxh3_64_intdigest(row)
+        self._record("record_staged", data.nbytes, len(spec.block_ids))
+        if tid in self._push_targets:
+            pending = self._push_layers.setdefault(tid, [])
+            pending.append(layer)
+            if spec.layerwise and len(pending) >= self.config.layer_group_size:
+                self._push_group(spec)
+
+    def _rank_target(self, target: str) -> tuple[str, int]:
+        host, port = parse_target(target)
+        return host, port + self.layout.tp_rank  # rank r of the consumer listens on port + r
+
+    def _push_group(self, spec: SaveSpec) -> None:
+        """Hand the staged, not yet pushed layers of `spec` to the push sender."""
+        layers = self._push_layers.pop(spec.transfer_id, None)
+        if not layers or self.pusher is None:
+            return
+        n = len(spec.block_ids)
+        sums = self._checksums[spec.transfer_id]
+        checksums = (np.concatenate([sums[layer, spec.first_block:spec.first_block + n] for layer in layers])
+                     .tolist() if self.config.checksum else None)
+        self.pusher.submit(PushJob(spec.transfer_id, self._push_targets[spec.transfer_id], layers,
+                                   spec.first_block, n, checksums))
 
     def wait_for_save(self, meta: TieredConnectorMetadata) -> None:
         if self.store is None:
             return
+        staging, self._staging = self._staging, []
+        for fut in staging:  # after this, every staged byte is in the store: vLLM may reuse the blocks
+            fut.result()
+        with self._stage_lock:  # the push sender may fail a transfer meanwhile
+            self._seal_step(meta)
+
+    def _seal_step(self, meta: TieredConnectorMetadata) -> None:
         sealed = False
         for spec in meta.saves:
-            if not spec.seal or spec.transfer_id in self._staging_failed:
+            tid = spec.transfer_id
+            if tid in self._push_targets and tid not in self._staging_failed:
+                self._push_group(spec)  # the last group (or, below layerwise_min_tokens, all layers)
+            if not spec.seal or tid in self._staging_failed:
                 continue
-            sums = self._checksums.pop(spec.transfer_id, None)
+            sums = self._checksums.pop(tid, None)
             if sums is None:
                 continue
             try:
-                self.store.seal(spec.transfer_id, {"xxh3": sums.reshape(-1).tolist()} if self.config.checksum else None)
+                self.store.seal(tid, {"xxh3": sums.reshape(-1).tolist()} if self.config.checksum else None)
                 # The lease started at the first staged layer; a long prefill must not eat it.
-                self.store.renew(spec.transfer_id)
+                self.store.renew(tid)
                 sealed = True
             except (TransferError, ValueError) as exc:
-                self._fail_staging(spec.transfer_id, TransferError(FailureCause.PROTOCOL, f"seal failed: {exc}"))
+                self._fail_staging(tid, TransferError(FailureCause.PROTOCOL, f"seal failed: {exc}"))
+                continue
+            target = self._push_targets.pop(tid, None)
+            if target is not None and self.pusher is not None:
+                self.pusher.submit(PushJob(tid, target, end=True))
         if sealed and self.server is not None:
             self.server.notify_sealed()
+
+    def _push_done(self, tid: str, error: TransferError | None) -> None:
+        """Push sender thread: a transfer finished pushing (error None) or its push failed."""
+        if error is None:
+            try:  # the consumer holds it now, under its own lease
+                info = self.store.info(tid)
+                self._record("record_push", info.num_layers * info.num_blocks * self.store.slot_bytes)
+                self.store.release(tid)
+            except TransferError:
+                pass
+            return
+        self._record("record_failure", f"push_{error.cause.value}")
+        if error.cause in _PUSH_LOST:
+            with self._stage_lock:
+                self._fail_staging(tid, TransferError(error.cause, f"push to the decode instance failed: {error}"))
 
     def _fail_staging(self, tid: str, exc: TransferError) -> None:
         logger.error("staging of transfer %s failed: %s", tid, exc)
@@ -176,6 +264,10 @@ class TieredConnectorWorker:
         if len(self._staging_failed) >= _MAX_FAILURE_MEMORY:
             self._staging_failed.pop(next(iter(self._staging_failed)))
         self._staging_failed[tid] = exc
+        self._push_layers.pop(tid, None)
+        target = self._push_targets.pop(tid, None)
+        if target is not None and self.pusher is not None:  # tell the consumer now, not at its deadline
+            self.pusher.submit(PushJob(tid, target, abort=exc))
         if self.store is not None and not isinstance(exc, StoreFullError):
             try:
                 self.store.release(tid)
@@ -187,6 +279,13 @@ class TieredConnectorWorker:
     def drop(self, transfer_ids: list[str]) -> None:
         for tid in transfer_ids:
             self._checksums.pop(tid, None)
+            self._push_layers.pop(tid, None)
+            target = self._push_targets.pop(tid, None)
+            if target is not None and self.pusher is not None:
+                self.pusher.submit(PushJob(tid, target, abort=TransferError(
+                    FailureCause.UNKNOWN_TRANSFER, "the request was aborted on the prefill instance")))
+            if self.landing is not None:
+                self.landing.forget(tid)
             if self.store is not None:
                 try:
                     self.store.release(tid)
@@ -275,6 +374,15 @@ class TieredConnectorWorker:
             raise TransferError(FailureCause.LAYOUT_MISMATCH,
                                 f"{len(spec.block_ids)} local blocks allocated for {num_blocks} remote blocks")
         targets = spec.block_ids[:num_blocks]
+        if p.push_target and self.landing is not None:
+            try:
+                return self._load_landed(p, spec.first_block, targets, deadline)
+            except TransferError as exc:
+                # It did not land here (refused, producer lost, never came): the producer still
+                # holds its staged copy unless the push broke on the wire; its answer decides.
+                logger.warning("pushed KV for request %s did not land (%s); pulling it from the producer",
+                               spec.req_id, exc)
+                self._record("record_push_fallback", exc.cause.value)
         dest = [memoryview(self._blocks[layer][b]) for layer in range(layout.num_layers) for b in targets]
         addr = p.addrs[layout.tp_rank]
         transport = self.config.transport
@@ -297,6 +405,30 @@ class TieredConnectorWorker:
                     logger.warning("release of %s failed after a good pull (it will expire): %s",
                                    p.transfer_id, exc)
         return nbytes
+
+    def _load_landed(self, p: TransferParams, first_block: int, targets: list[int], deadline: float) -> int:
+        """Push mode: wait until the producer's push has landed in this worker's store (sealed:
+        every layer of every block), then copy it into the KV cache blocks and release it."""
+        assert self.landing is not None and self.store is not None
+        tid = p.transfer_id
+        self.landing.wait(tid, deadline, time.monotonic() + min(FIRST_CHUNK_GRACE_S, self.config.load_timeout_s / 2))
+        try:
+            last = first_block + len(targets)
+            ids = np.asarray(targets)
+            with self.store.pinned_views(tid) as pv:
+                for layer in range(self.layout.num_layers):
+                    dst, start = self._blocks[layer], first_block
+                    for run in pv.run_views(layer, first_block, last):
+                        rows = np.frombuffer(run, dtype=np.uint8).reshape(-1, dst.shape[1])
+                        dst[ids[start - first_block:start - first_block + len(rows)]] = rows
+                        start += len(rows)
+            return len(targets) * self.layout.num_layers * self.store.slot_bytes
+        finally:
+            self.landing.forget(tid)
+            try:
+                self.store.release(tid)
+            except TransferError:
+                pass
 
     def _nixl(self) -> nixl_transport.NixlSink:
         """This process's NIXL agent, created at the first nixl pull with every KV cache layer
@@ -361,6 +493,10 @@ class TieredConnectorWorker:
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._stager.shutdown(wait=True)
+        if self.pusher is not None:
+            self.pusher.close()
+            self.pusher = None
         if self._nixl_sink is not None:
             self._nixl_sink.close()
             self._nixl_sink = None

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -191,6 +191,35 @@ class StoreClient:
 
     def release(self, transfer_id: str, deadline: float) -> None:
         wire.send_msg(self.sock, wire.Release(transfer_id=transfer_id))
+        self._expect(wire.Ack, deadline)
+
+    def push(self, msg: wire.Push, data: Sequence[memoryview], deadline: float,
+             progress: "Callable[[socket.socket, float], None] | None" = None) -> None:
+        """Push one layer group into the peer's landing store and wait for its Ack. `data`: the
+        bytes for data_path "inline" (layer-major, msg.nbytes in all); for "nixl" the peer READs
+        from our arena meanwhile, and `progress(sock, deadline)` serves that until it answers."""
+        from kvconnectors.transport.server import send_all  # noqa: PLC0415 - shared gather-send
+
+        self._send(msg)
+        if data:
+            self.sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            try:
+                send_all(self.sock, list(data))
+            except socket.timeout:
+                raise TransferError(FailureCause.TIMEOUT, f"push to {self.address} stalled") from None
+            except OSError as exc:
+                raise TransferError(FailureCause.PEER_UNREACHABLE,
+                                    f"connection to {self.address} lost mid-push: {exc.strerror or exc}") from None
+        if progress is not None:
+            progress(self.sock, deadline)
+        self._expect(wire.Ack, deadline)
+
+    def push_end(self, transfer_id: str, deadline: float, error: TransferError | None = None) -> None:
+        if error is None:
+            self._send(wire.PushEnd(transfer_id=transfer_id))
+        else:
+            self._send(wire.PushEnd(transfer_id=transfer_id, ok=False, cause=error.cause.value,
+                                    message=str(error).split("] ", 1)[-1]))
         self._expect(wire.Ack, deadline)
 
     def status(self, deadline: float) -> wire.StatusReply:

@@ -2,7 +2,8 @@
 
 A `FaultPlan` is a list of rules; the store server asks it before handling each request and
 acts on the first rule that fires: drop (never answer), delay, corrupt (flip bytes of the data
-it sends), truncate (send half, then hang up) or disconnect (hang up before answering).
+it sends, or on "push" of the data it received), truncate (send half, then hang up; on "push":
+hang up before reading the data) or disconnect (hang up before answering).
 
 Configured with the TieredConnector key `fault_injection`, e.g.
     [{"action": "corrupt", "on": "read", "nth": 2}, {"action": "delay", "delay_s": 3, "probability": 0.05}]
@@ -19,7 +20,7 @@ import msgspec
 from kvconnectors.errors import ConfigError
 
 Action = Literal["drop", "delay", "corrupt", "truncate", "disconnect"]
-Event = Literal["read", "renew", "release", "handshake"]
+Event = Literal["read", "renew", "release", "handshake", "push", "push_end"]
 DATA_ONLY = ("corrupt", "truncate")
 
 
@@ -30,14 +31,15 @@ class FaultRule(msgspec.Struct, forbid_unknown_fields=True):
     nth: int | None = None        # fire only on the nth matching event (1-based)
     times: int | None = None      # stop after firing this many times
     delay_s: float = 0.5
-    min_blocks: int = 0           # reads only: fire only for reads of at least this many blocks
+    min_blocks: int = 0           # read / push only: fire only for at least this many blocks
 
 
 class FaultPlan:
     def __init__(self, rules: list[FaultRule], seed: int = 0):
         for r in rules:
-            if r.action in DATA_ONLY and r.on != "read":
-                raise ConfigError("fault_injection", msgspec.to_builtins(r), f"{r.action} applies to reads only")
+            if r.action in DATA_ONLY and r.on not in ("read", "push"):
+                raise ConfigError("fault_injection", msgspec.to_builtins(r),
+                                  f"{r.action} applies to data (on read or push) only")
             if not 0.0 <= r.probability <= 1.0:
                 raise ConfigError("fault_injection", msgspec.to_builtins(r), "probability must be in [0, 1]")
         self.rules = rules

@@ -20,6 +20,7 @@ from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import auth, wire
 from kvconnectors.transport.faults import FaultPlan, FaultRule, corrupted
+from kvconnectors.transport.landing import ConnectionState, Landing
 from kvconnectors.transport.nixl import NixlSource
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,15 @@ class StoreServer:
                  num_layers: int, compat: str, secret: bytes | None = None,
                  idle_timeout_s: float = 300.0, seal_wait_s: float = 10.0,
                  staging_failure: Callable[[str], TransferError | None] | None = None,
-                 faults: FaultPlan | None = None, max_connections: int = 256, nixl: bool = False):
+                 faults: FaultPlan | None = None, max_connections: int = 256, nixl: bool = False,
+                 landing: Landing | None = None):
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
         self.compat, self.secret = compat, secret
         self.idle_timeout_s, self.seal_wait_s = idle_timeout_s, seal_wait_s
         self.staging_failure = staging_failure or (lambda tid: None)
         self.counters = ServerCounters()
         self.faults = faults
+        self.landing = landing  # push mode: producers stream KV into this store (consumer side)
         self.max_connections = max_connections
         self._lock = threading.Lock()
         self._sealed = threading.Condition()
@@ -119,6 +122,8 @@ class StoreServer:
         self._thread.join(timeout=5)
         if self.nixl is not None:
             self.nixl.close()
+        if self.landing is not None:
+            self.landing.close()
 
     @property
     def active_connections(self) -> int:
@@ -131,6 +136,7 @@ class StoreServer:
         with self._lock:
             self._conns.add(sock)
             self.counters.connections += 1
+        conn = ConnectionState(_peer(sock))
         try:
             if not self._handshake(sock):
                 return
@@ -142,10 +148,12 @@ class StoreServer:
                         self.counters.reject("protocol")
                         self._reply_error(sock, exc)
                     return  # peer closed, idle or sent garbage: drop the connection only
-                self._dispatch(sock, msg)
+                self._dispatch(sock, msg, conn)
         except OSError:
             pass
         finally:
+            if self.landing is not None and conn.open:
+                self.landing.connection_closed(conn)
             with self._lock:
                 self._conns.discard(sock)
             sock.close()
@@ -185,7 +193,7 @@ class StoreServer:
         wire.send_msg(sock, wire.Ack(ok=True))
         return True
 
-    def _dispatch(self, sock: socket.socket, msg: wire.Message) -> None:
+    def _dispatch(self, sock: socket.socket, msg: wire.Message, conn: ConnectionState) -> None:
         fault = self._fault(msg)
         if fault is not None and fault.action in ("drop", "disconnect"):
             if fault.action == "disconnect":
@@ -200,6 +208,20 @@ class StoreServer:
                 self._release(sock, msg)
             elif isinstance(msg, wire.Status):
                 self._status(sock)
+            elif isinstance(msg, (wire.Push, wire.PushEnd)):
+                if self.landing is None:
+                    if isinstance(msg, wire.Push) and msg.data_path == "inline" and msg.nbytes:
+                        self._reply_error(sock, TransferError(FailureCause.PROTOCOL, (
+                            "this store server does not accept pushes (start the consumer with "
+                            "transfer_mode 'push')")))
+                        sock.shutdown(socket.SHUT_RDWR)  # the pushed bytes are not read
+                        return
+                    raise TransferError(FailureCause.PROTOCOL, "this store server does not accept pushes "
+                                                               "(start the consumer with transfer_mode 'push')")
+                if isinstance(msg, wire.Push):
+                    self.landing.handle_push(sock, msg, conn, fault)
+                else:
+                    self.landing.handle_end(sock, msg, conn)
             else:
                 raise TransferError(FailureCause.PROTOCOL, f"unexpected message {type(msg).__name__}")
         except TransferError as exc:
@@ -209,7 +231,8 @@ class StoreServer:
     def _fault(self, msg: wire.Message) -> FaultRule | None:
         if self.faults is None:
             return None
-        event = {wire.Read: "read", wire.Renew: "renew", wire.Release: "release"}.get(type(msg))
+        event = {wire.Read: "read", wire.Renew: "renew", wire.Release: "release", wire.Push: "push",
+                 wire.PushEnd: "push_end"}.get(type(msg))
         fault = self.faults.decide(event, getattr(msg, "num_blocks", 0)) if event else None
         if fault is not None:
             logger.warning("fault injection: %s on %s", fault.action, event)

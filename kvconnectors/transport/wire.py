@@ -12,6 +12,9 @@ Version history:
       bumped so a v1 peer is refused at the handshake with both versions named instead of
       failing later on an unknown data_path. Status/StatusReply: store occupancy for operators
       and leak checks.
+  3 - push: the producer streams layer groups into the consumer's landing store (Push, each
+      answered by Ack) and ends with PushEnd (seal, or abort with a cause). Push data_path
+      "inline" sends the bytes after the frame; "nixl" names arena offsets the landing side READs.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import msgspec
 
 from kvconnectors.errors import FailureCause, TransferError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_CONTROL_BYTES = 1 << 20  # a control frame is metadata only; data never travels in frames
 _LEN = struct.Struct("!I")
 
@@ -102,7 +105,35 @@ class StatusReply(msgspec.Struct, tag=True):
     counters: dict[str, int]
 
 
-Message = Union[Hello, Welcome, Proof, Read, ReadReply, Renew, RenewReply, Release, Ack, Status, StatusReply]
+class Push(msgspec.Struct, tag=True):
+    """Blocks [first_block, +num_blocks) of `layers` of a transfer, into the receiver's landing
+    store. The first Push of a transfer creates its entry there (num_layers x total_blocks)."""
+    transfer_id: str
+    num_layers: int
+    total_blocks: int
+    fingerprint: str
+    layers: list[int]
+    first_block: int
+    num_blocks: int
+    checksums: list[int] | None = None    # xxh3_64 per (layer, block), layer-major
+    data_path: str = "inline"             # inline: nbytes follow the frame; nixl: READ from offsets
+    nbytes: int = 0
+    offsets: list[int] | None = None      # nixl: sender arena offset per (layer, block)
+    nixl_agent_meta: bytes | None = None  # nixl: the sender agent's metadata (first Push per connection)
+    nixl_base_address: int = 0
+
+
+class PushEnd(msgspec.Struct, tag=True):
+    """Every block of every layer has been pushed (ok): seal it. Or the producer gave up (not ok):
+    drop what arrived and remember why, so the consumer's load fails with that cause."""
+    transfer_id: str
+    ok: bool = True
+    cause: str = ""
+    message: str = ""
+
+
+Message = Union[Hello, Welcome, Proof, Read, ReadReply, Renew, RenewReply, Release, Ack, Status, StatusReply,
+                Push, PushEnd]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

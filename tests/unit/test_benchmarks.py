@@ -104,3 +104,62 @@ def test_cli_runs_transfer(tmp_path, capsys):
     assert rc == 0
     assert "memcpy" in capsys.readouterr().out
     assert any(p.suffix == ".png" for p in tmp_path.iterdir())
+
+
+# --------------------------------------------------------------------------------------------
+# proxy overhead (fake upstreams: no engine)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stream", [False, True])
+def test_proxy_overhead_fake_upstreams(tmp_path, stream):
+    from benchmarks import proxy_overhead
+
+    result = proxy_overhead.run_fake(12, tmp_path, stream=stream, progress=False)
+    assert result["upstreams"] == "fake" and result["requests"] == 12 and result["stream"] is stream
+    for key in ("by_hand_ms", "via_proxy_ms", "added_ms"):
+        assert {"p50", "p99"} <= set(result[key]), key
+    assert 0 < result["by_hand_ms"]["p50"] < 1000 and 0 < result["via_proxy_ms"]["p50"] < 1000
+    lo, hi = result["added_ms"]["p50_ci95"]
+    assert lo <= hi
+    assert len(result["pairs_ms"]["by_hand"]) == len(result["pairs_ms"]["via_proxy"]) == 12
+
+
+@pytest.mark.timeout(60)
+def test_proxy_overhead_fakes_refuse_a_request_that_skipped_the_proxy():
+    """The fake decode instance answers 400 to a body without the prefill's kv_transfer_params, so
+    a proxy that drops them (or a "proxy" URL that is not one) fails the benchmark."""
+    import asyncio
+
+    import aiohttp
+
+    from benchmarks import proxy_overhead
+
+    async def by_hand_only(fakes: proxy_overhead.FakeUpstreams) -> float:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "fake", "prompt": [1, 2, 3], "max_tokens": 2}
+            return await proxy_overhead._direct(s, fakes.prefill_url, fakes.decode_url, body)
+
+    with proxy_overhead.FakeUpstreams() as fakes:
+        assert asyncio.run(by_hand_only(fakes)) > 0  # both legs by hand: the fakes accept them
+        with pytest.raises(AssertionError):  # the decode URL given as the proxy: no kv_transfer_params
+            asyncio.run(proxy_overhead.measure(fakes.decode_url, fakes.prefill_url, fakes.decode_url, "fake", 2,
+                                               progress=False))
+
+
+def test_proxy_overhead_summary_and_interval():
+    from benchmarks.proxy_overhead import summarize
+
+    result = summarize([0.010] * 5, [0.0115] * 5)
+    assert result["added_ms"]["p50"] == pytest.approx(1.5)
+    assert result["added_ms"]["p50_ci95"] == [pytest.approx(1.5), pytest.approx(1.5)]
+    assert result["requests"] == 5 and result["pairs_ms"]["via_proxy"] == [11.5] * 5
+
+
+def test_proxy_overhead_cli_help(capsys):
+    from kvconnectors.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "proxy", "--help"])
+    assert exc.value.code == 0
+    assert "--fake-upstreams" in capsys.readouterr().out

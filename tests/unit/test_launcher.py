@@ -111,12 +111,13 @@ def test_proxy_argv_lists_pools_and_kv_addresses():
     assert ns.port == 9999 and ns.mode == "push" and ns.prefill_retries == 0
     assert [s.url for s in ns.prefill] == [f"http://127.0.0.1:{p.port}" for p in plans[:2]]
     assert ns.decode[0].kv_addr == plans[2].kv_addr
+    # push: every instance runs in push mode (decode instances accept pushes at their store port)
+    assert all(p.kv_transfer_config["kv_connector_extra_config"]["transfer_mode"] == "push" for p in plans)
 
 
 @pytest.mark.parametrize("argv, needle", [
     (["--connector", "NixlConnector", "--transport", "tcp"], "--transport 'tcp'"),
     (["--connector", "NixlConnector", "--mode", "push"], "--mode push"),
-    (["--connector", "TieredConnector", "--mode", "push"], "pull mode only"),
     (["--proxy-args", "--prefill-timeout 0"], "--proxy-args"),
 ])
 def test_bad_combinations_fail_before_anything_starts(argv, needle, capsys):

@@ -47,7 +47,7 @@ def test_sizes_are_human_readable() -> None:
 
 
 def _ticket(prompt: list[int]) -> dict:
-    p = kvparams.TransferParams(v=1, transfer_id="e:r1", addrs=[kvparams.PeerAddress("127.0.0.1", 5000)],
+    p = kvparams.TransferParams(v=kvparams.PARAMS_VERSION, transfer_id="e:r1", addrs=[kvparams.PeerAddress("127.0.0.1", 5000)],
                                 num_tokens=len(prompt), num_blocks=-(-len(prompt) // 32), block_size=32,
                                 fingerprint="f" * 16, prompt_hash=kvparams.prompt_hash(prompt), lease_ttl_s=30.0,
                                 issued_at=0.0)

@@ -1,0 +1,192 @@
+"""Sending side of push mode: one thread per producer worker streams staged layer groups to the
+decode instance's landing store while the forward pass computes the later layers.
+
+The forward thread never waits for the network: the stager hands each finished layer group over
+as a `PushJob` and returns; jobs of one transfer go out in order on one connection per target
+(each Push answered by an Ack), and a final job sends PushEnd. The bytes come from the producer's
+own staged copy (pinned while they go out), so vLLM may reuse its KV blocks as soon as
+`wait_for_save` has returned.
+
+When a push fails, later jobs of that transfer are skipped and `on_done(transfer_id, error)` is
+called once, so the worker can decide what the staged copy is still good for.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.store import TieredStore
+from kvconnectors.transport import wire
+from kvconnectors.transport.client import StoreClient
+
+logger = logging.getLogger(__name__)
+Addr = tuple[str, int]
+_STREAM_BROKEN = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT, FailureCause.PROTOCOL})
+
+
+def parse_target(value: object) -> Addr:
+    """`host:port` (IPv6 as `[addr]:port`) of a landing store, from kv_transfer_params."""
+    if not isinstance(value, str) or ":" not in value or len(value) > 300:
+        raise ValueError(f"push_target={value!r}: expected HOST:PORT")
+    host, _, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"push_target={value!r}: expected HOST:PORT with a port in 1..65535")
+    return host, int(port)
+
+
+@dataclass
+class PushJob:
+    transfer_id: str
+    target: Addr
+    layers: list[int] = field(default_factory=list)
+    first_block: int = 0
+    num_blocks: int = 0
+    checksums: list[int] | None = None
+    end: bool = False                       # send PushEnd (after every earlier job of the transfer)
+    abort: TransferError | None = None      # send PushEnd(ok=False) with this cause instead
+
+
+class PushSender:
+    def __init__(self, store: TieredStore, *, fingerprint: str, num_layers: int,
+                 client_factory: Callable[[str, int], StoreClient], timeout_s: float,
+                 on_done: Callable[[str, TransferError | None], None], nixl_source=None,
+                 link_bytes_per_s: float | None = None):
+        self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
+        self._client_factory = client_factory
+        self.timeout_s = timeout_s
+        self._on_done = on_done
+        self._nixl = nixl_source      # transport nixl: the landing side READs from our arena
+        # Benchmarks only: emulate a slower link; a group's bytes arrive when the link would have
+        # carried them (jobs queue behind each other, like on a real wire).
+        self._link_rate = link_bytes_per_s
+        self._link_free_at = 0.0
+        self._queue: queue.Queue[PushJob | None] = queue.Queue()
+        self._clients: dict[Addr, StoreClient] = {}
+        self._failed: dict[str, TransferError] = {}
+        self._pending = 0
+        self._idle = threading.Condition()
+        self.pushes = 0
+        self.bytes_pushed = 0
+        self._thread = threading.Thread(target=self._run, name="kvc-push", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API (any thread)
+    def submit(self, job: PushJob) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queue.put(job)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every submitted job went out (or failed); False at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    @property
+    def pending(self) -> int:
+        with self._idle:
+            return self._pending
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
+
+    # ------------------------------------------------------------------ sender thread
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._handle(job)
+            except Exception:  # a bug must not kill the sender: fail this transfer, go on
+                logger.exception("push job for %s failed unexpectedly", job.transfer_id)
+                self._fail(job, TransferError(FailureCause.PROTOCOL, "internal error in the push sender"))
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _handle(self, job: PushJob) -> None:
+        tid = job.transfer_id
+        failed = self._failed.get(tid)
+        if failed is not None:
+            if job.end or job.abort is not None:
+                self._failed.pop(tid, None)  # its last job: forget it
+            return
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            client = self._client(job.target)
+            if job.abort is not None or job.end:
+                client.push_end(tid, deadline, job.abort)
+                self._on_done(tid, job.abort)
+                return
+            self._push(client, job, deadline)
+        except TransferError as exc:
+            self._fail(job, exc)
+
+    def _push(self, client: StoreClient, job: PushJob, deadline: float) -> None:
+        first, last = job.first_block, job.first_block + job.num_blocks
+        slot = self.store.slot_bytes
+        nbytes = len(job.layers) * job.num_blocks * slot
+        self._pace(nbytes)
+        head = dict(transfer_id=job.transfer_id, num_layers=self.num_layers,
+                    total_blocks=self.store.info(job.transfer_id).num_blocks, fingerprint=self.fingerprint,
+                    layers=job.layers, first_block=first, num_blocks=job.num_blocks, checksums=job.checksums)
+        with self.store.pinned_views(job.transfer_id, job.layers, unsealed=True) as pv:
+            if self._nixl is not None:
+                offsets = np.concatenate([pv.offsets(layer)[first:last] for layer in job.layers]).tolist()
+                msg = wire.Push(**head, data_path="nixl", offsets=offsets, nixl_agent_meta=self._nixl.metadata,
+                                nixl_base_address=self._nixl.base_address)
+                client.push(msg, (), deadline, progress=self._nixl.serve_until_readable)
+            else:
+                views = [v for layer in job.layers for v in pv.run_views(layer, first, last)]
+                client.push(wire.Push(**head, nbytes=nbytes), views, deadline)
+        self.pushes += 1
+        self.bytes_pushed += nbytes
+
+    def _pace(self, nbytes: int) -> None:
+        if not self._link_rate:
+            return
+        now = time.monotonic()
+        self._link_free_at = max(now, self._link_free_at) + nbytes / self._link_rate
+        if self._link_free_at > now:
+            time.sleep(self._link_free_at - now)
+
+    def _client(self, target: Addr) -> StoreClient:
+        client = self._clients.get(target)
+        if client is None:
+            client = self._client_factory(*target)
+            self._clients[target] = client
+        return client
+
+    def _fail(self, job: PushJob, exc: TransferError) -> None:
+        if exc.cause in _STREAM_BROKEN:
+            # The stream may be out of step: start afresh. (A refusal answered in step, e.g.
+            # store_full, keeps the connection: closing it would fail the other transfers on it.)
+            client = self._clients.pop(job.target, None)
+            if client is not None:
+                client.close()
+        if not (job.end or job.abort is not None):
+            self._failed[job.transfer_id] = exc
+            while len(self._failed) > 10_000:
+                self._failed.pop(next(iter(self._failed)))
+        logger.warning("push of transfer %s to %s:%d failed: %s", job.transfer_id, *job.target, exc)
+        self._on_done(job.transfer_id, exc)

@@ -1,0 +1,107 @@
+"""Push mode between two live `vllm serve` processes: the prefill instance streams layer groups of
+an 8-layer model into the decode instance's landing store while later layers compute."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from integration.cluster import PDCluster
+from kvconnectors.serving import complete
+from kvconnectors.testing.compare import assert_same_tokens
+from kvconnectors.testing.engines import generate_ids, llm_engine
+from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
+from kvconnectors.transport.client import store_status
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+
+BLOCK = 32
+# short prompts (sent in one message) and long ones (layer-wise, above layerwise_min_tokens)
+LENGTHS = (block_edge_lengths(BLOCK) + [300, 700, 1200, 2000]) * 2
+MAX_TOKENS = 10
+CONCURRENCY = 8
+PUSH = {"layer_group_size": 2, "layerwise_min_tokens": 256}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    assert len(LENGTHS) >= 20
+    return token_prompts(LENGTHS, seed=23)
+
+
+@pytest.fixture(scope="module")
+def colocated(deep_model: str, prompts: list[list[int]]) -> list[list[int]]:
+    with llm_engine(deep_model) as llm:
+        return generate_ids(llm, prompts, MAX_TOKENS)
+
+
+def run_workload(pd: PDCluster, prompts: list[list[int]]) -> list[list[int]]:
+    name = pd.prefill[0].served_model_name
+
+    def one(p: list[int]) -> list[int]:
+        return list(complete(pd.proxy_url, p, model=name, max_tokens=MAX_TOKENS, timeout=180)["choices"][0]["token_ids"])
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        return list(pool.map(one, prompts))
+
+
+def stores_empty(pd: PDCluster, timeout: float = 10.0) -> list:
+    """Both stores (producer staging, consumer landing) hold nothing once every request is done."""
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = [store_status(host, int(port)) for host, port in (p.kv_addr.rsplit(":", 1) for p in pd.plans)]
+        if all(s.entries == 0 and s.dram_used_bytes == 0 for s in statuses) or time.monotonic() > deadline:
+            return statuses
+        time.sleep(0.1)
+
+
+def total(metrics: dict, name: str, **labels: str) -> float:
+    return sum(v for lab, v in metrics.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_push_servers_equal_colocated(deep_model, prompts, colocated, transport, tmp_path) -> None:
+    kv = {"kv_connector_extra_config": PUSH}
+    with PDCluster(deep_model, transport=transport, mode="push", kv_extra=kv, log_dir=tmp_path) as pd:
+        assert_same_tokens(colocated, run_workload(pd, prompts))
+        statuses = stores_empty(pd)
+        assert all(s.entries == 0 and s.dram_used_bytes == 0 for s in statuses), statuses
+        run_workload(pd, prompts[:1])  # one more step reports the last interval's stats
+        p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
+    assert total(p, "kvconnectors:pushes_total") >= len(prompts), "transfers were not pushed"
+    assert total(p, "kvconnectors:pushed_bytes_total") > 0
+    assert total(d, "kvconnectors:push_fallbacks_total") == 0, "pushed KV did not land; the decode pulled it"
+    assert total(d, "kvconnectors:transfers_total") >= len(prompts)
+    # the decode read the prompts' KV from its own host-memory landing store
+    assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="host") > 0
+
+
+def test_push_refused_by_the_decode_falls_back_to_pull(deep_model, prompts, colocated, tmp_path) -> None:
+    """The landing side finds the first pushes corrupted on arrival and refuses them (checksum
+    mismatch, answered in step): the prefill keeps its staged copy and the decode pulls it."""
+    kv = {"kv_connector_extra_config": {**PUSH, "fault_injection": [{"action": "corrupt", "on": "push", "times": 5}]}}
+    with PDCluster(deep_model, transport="tcp", mode="push", kv_extra=kv, log_dir=tmp_path) as pd:
+        assert_same_tokens(colocated, run_workload(pd, prompts))
+        statuses = stores_empty(pd)
+        assert all(s.entries == 0 for s in statuses), statuses
+        run_workload(pd, prompts[:1])
+        d = pd.decode[0].metrics()
+    assert total(d, "kvconnectors:push_fallbacks_total") > 0
+
+
+def test_decode_hanging_up_mid_push_fails_loudly_and_recompute_heals(deep_model, prompts, colocated,
+                                                                     tmp_path) -> None:
+    """The landing side drops the producer's connection in the middle of a push: every transfer
+    open on it fails (the producer stops, releases its copy and records why); the decode's loads
+    fail with peer_unreachable and vLLM recomputes them (kv_load_failure_policy recompute)."""
+    kv = {"kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {**PUSH, "fault_injection": [{"action": "truncate", "on": "push", "nth": 5}]}}
+    with PDCluster(deep_model, transport="tcp", mode="push", kv_extra=kv, log_dir=tmp_path) as pd:
+        assert_same_tokens(colocated, run_workload(pd, prompts))
+        statuses = stores_empty(pd)
+        assert all(s.entries == 0 for s in statuses), statuses
+        run_workload(pd, prompts[:1])
+        p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
+    assert total(p, "kvconnectors:transfer_failures_total", cause="push_peer_unreachable") >= 1
+    assert total(d, "kvconnectors:transfer_failures_total", cause="peer_unreachable") >= 1

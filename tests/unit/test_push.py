@@ -1,0 +1,257 @@
+"""Push mode on the transfer plane: a producer store + PushSender streaming layer groups into a
+consumer's landing store over real sockets (inline, and NIXL where it imports). No engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.store import StoreConfig, TieredStore
+from kvconnectors.transport import wire
+from kvconnectors.transport.client import StoreClient, store_status
+from kvconnectors.transport.faults import FaultPlan
+from kvconnectors.transport.landing import Landing
+from kvconnectors.transport.nixl import nixl_import_error
+from kvconnectors.transport.push import PushJob, PushSender, parse_target
+from kvconnectors.transport.server import StoreServer
+
+SLOT = 4096
+LAYERS, BLOCKS = 4, 6
+FP = "fp-push"
+COMPAT = wire.compat_hash("tiered")
+
+
+class Pair:
+    """A producer (store + server + sender) and a consumer landing store server."""
+
+    def __init__(self, *, nixl: bool = False, landing_dram_slots: int = 256, faults: FaultPlan | None = None,
+                 landing_fp: str = FP, ttl: float = 30.0):
+        self.src = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=256 * SLOT, lease_ttl_s=30))
+        self.src_server = StoreServer(self.src, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT,
+                                      nixl=nixl)
+        self.dst = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=landing_dram_slots * SLOT, lease_ttl_s=ttl))
+        sink = None
+        if nixl:
+            from kvconnectors.transport.nixl import NixlSink
+
+            sink = lambda: NixlSink(tag="landing-test")  # noqa: E731
+        self.landing = Landing(self.dst, fingerprint=landing_fp, num_layers=LAYERS, nixl_sink_factory=sink)
+        self.dst_server = StoreServer(self.dst, "127.0.0.1", 0, fingerprint=landing_fp, num_layers=LAYERS,
+                                      compat=COMPAT, landing=self.landing, faults=faults)
+        self.done: dict[str, TransferError | None] = {}
+        self.done_event = threading.Event()
+        self.sender = PushSender(self.src, fingerprint=FP, num_layers=LAYERS, timeout_s=5,
+                                 client_factory=lambda h, p: StoreClient(h, p, compat=COMPAT, connect_timeout_s=2),
+                                 on_done=self._on_done, nixl_source=self.src_server.nixl)
+        self.target = ("127.0.0.1", self.dst_server.port)
+
+    def _on_done(self, tid: str, err: TransferError | None) -> None:
+        self.done[tid] = err
+        self.done_event.set()
+
+    def stage_and_push(self, tid: str, group: int = 2, seed: int = 0, corrupt_sums: bool = False) -> np.ndarray:
+        data = np.random.default_rng(seed).integers(0, 256, (LAYERS, BLOCKS, SLOT), dtype=np.uint8)
+        self.src.create(tid, LAYERS, BLOCKS)
+        pending: list[int] = []
+        for layer in range(LAYERS):
+            self.src.write(tid, layer, 0, data[layer])
+            pending.append(layer)
+            if len(pending) == group or layer == LAYERS - 1:
+                sums = [xxhash.xxh3_64_intdigest(data[l, b]) ^ int(corrupt_sums) for l in pending
+                        for b in range(BLOCKS)]
+                self.sender.submit(PushJob(tid, self.target, pending, 0, BLOCKS, sums))
+                pending = []
+        self.src.seal(tid)
+        self.sender.submit(PushJob(tid, self.target, end=True))
+        return data
+
+    def close(self) -> None:
+        self.sender.close()
+        for s in (self.src_server, self.dst_server):
+            s.close()
+        self.src.close()
+        self.dst.close()
+
+
+@pytest.fixture
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+def landed(p: Pair, tid: str) -> np.ndarray:
+    p.landing.wait(tid, time.monotonic() + 5, time.monotonic() + 5)
+    out = np.zeros((LAYERS, BLOCKS, SLOT), np.uint8)
+    for layer in range(LAYERS):
+        p.dst.read_into(tid, layer, 0, out[layer])
+    return out
+
+
+def test_pushed_layer_groups_land_byte_exact_and_the_producer_lets_go(pair) -> None:
+    data = pair.stage_and_push("t1", group=1)
+    assert np.array_equal(landed(pair, "t1"), data)
+    assert pair.sender.flush(5) and pair.done == {"t1": None}
+    assert pair.sender.pushes == LAYERS and pair.sender.bytes_pushed == data.nbytes
+    assert pair.landing.counters["landed"] == 1
+
+
+def test_an_unsealed_landing_is_never_readable(pair) -> None:
+    """Partial layer sets are never used: before PushEnd the entry exists but cannot be read."""
+    data = np.ones((BLOCKS, SLOT), np.uint8)
+    pair.src.create("t2", LAYERS, BLOCKS)
+    pair.src.write("t2", 0, 0, data)
+    sums = [xxhash.xxh3_64_intdigest(data[b]) for b in range(BLOCKS)]
+    pair.sender.submit(PushJob("t2", pair.target, [0], 0, BLOCKS, sums))
+    assert pair.sender.flush(5)
+    assert pair.dst.contains("t2") and not pair.dst.is_sealed("t2")
+    with pytest.raises(TransferError) as exc:
+        pair.landing.wait("t2", time.monotonic() + 0.3, time.monotonic() + 0.3)
+    assert exc.value.cause is FailureCause.TIMEOUT
+    # PushEnd with layers 1..3 missing: refused as incomplete, the partial entry is dropped
+    pair.src.release("t2")
+    pair.sender.submit(PushJob("t2", pair.target, end=True))
+    assert pair.sender.flush(5)
+    with pytest.raises(TransferError) as exc:
+        pair.landing.wait("t2", time.monotonic() + 1, time.monotonic() + 1)
+    assert exc.value.cause is FailureCause.PROTOCOL and "never written" in str(exc.value)
+    assert not pair.dst.contains("t2")
+
+
+def test_bad_checksum_is_refused_and_the_connection_keeps_serving(pair) -> None:
+    pair.stage_and_push("bad", corrupt_sums=True)
+    data = pair.stage_and_push("good", seed=3)
+    assert pair.sender.flush(5)
+    with pytest.raises(TransferError) as exc:
+        pair.landing.wait("bad", time.monotonic() + 2, time.monotonic() + 2)
+    assert exc.value.cause is FailureCause.CHECKSUM_MISMATCH
+    assert pair.done["bad"].cause is FailureCause.CHECKSUM_MISMATCH
+    assert np.array_equal(landed(pair, "good"), data)
+    assert not pair.dst.contains("bad")
+
+
+def test_layout_mismatch_is_refused_before_any_byte_lands() -> None:
+    p = Pair(landing_fp="other-layout")
+    try:
+        p.stage_and_push("t")
+        assert p.sender.flush(5)
+        assert p.done["t"].cause is FailureCause.LAYOUT_MISMATCH
+        assert p.dst.usage()["entries"] == 0
+        # refused in step: the producer keeps its staged copy, so the consumer can still pull it
+        assert p.src.contains("t")
+    finally:
+        p.close()
+
+
+def test_landing_store_full_fails_typed_and_keeps_nothing() -> None:
+    p = Pair(landing_dram_slots=LAYERS * BLOCKS - 1)
+    try:
+        p.stage_and_push("big")
+        assert p.sender.flush(5)
+        assert p.done["big"].cause is FailureCause.STORE_FULL
+        with pytest.raises(TransferError) as exc:
+            p.landing.wait("big", time.monotonic() + 1, time.monotonic() + 1)
+        assert exc.value.cause is FailureCause.STORE_FULL
+        assert p.dst.usage()["entries"] == 0
+    finally:
+        p.close()
+
+
+def test_producer_disconnect_mid_stream_fails_the_landing_at_once() -> None:
+    p = Pair(faults=FaultPlan.from_config([{"action": "truncate", "on": "push", "nth": 2}]))
+    try:
+        p.stage_and_push("t", group=1)
+        assert p.sender.flush(5)
+        assert p.done["t"].cause in (FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError) as exc:
+            p.landing.wait("t", time.monotonic() + 10, time.monotonic() + 10)
+        assert exc.value.cause is FailureCause.PEER_UNREACHABLE
+        assert time.monotonic() - t0 < 2, "the landing side must not wait for its deadline"
+        deadline = time.monotonic() + 5
+        while p.dst.usage()["entries"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p.dst.usage()["entries"] == 0, "the partial landing must be dropped"
+    finally:
+        p.close()
+
+
+def test_corrupted_in_flight_push_is_caught() -> None:
+    p = Pair(faults=FaultPlan.from_config([{"action": "corrupt", "on": "push", "nth": 1}]))
+    try:
+        p.stage_and_push("t")
+        assert p.sender.flush(5)
+        assert p.done["t"].cause is FailureCause.CHECKSUM_MISMATCH
+    finally:
+        p.close()
+
+
+def test_abort_reaches_the_landing_side_with_its_cause(pair) -> None:
+    pair.sender.submit(PushJob("gone", pair.target, abort=TransferError(FailureCause.STORE_FULL, "producer full")))
+    assert pair.sender.flush(5)
+    with pytest.raises(TransferError) as exc:
+        pair.landing.wait("gone", time.monotonic() + 1, time.monotonic() + 1)
+    assert exc.value.cause is FailureCause.STORE_FULL and "producer full" in str(exc.value)
+
+
+def test_a_transfer_nobody_pushed_is_reported_after_the_grace(pair) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(TransferError) as exc:
+        pair.landing.wait("never", time.monotonic() + 10, time.monotonic() + 0.2)
+    assert exc.value.cause is FailureCause.UNKNOWN_TRANSFER and time.monotonic() - t0 < 2
+
+
+def test_landed_entry_expires_when_its_consumer_never_comes() -> None:
+    p = Pair(ttl=0.3)
+    try:
+        p.stage_and_push("t")
+        assert p.sender.flush(5) and p.done["t"] is None
+        time.sleep(0.5)
+        assert p.dst.expire_now() == ["t"]
+        with pytest.raises(TransferError) as exc:
+            p.landing.wait("t", time.monotonic() + 1, time.monotonic() + 1)
+        assert exc.value.cause is FailureCause.LEASE_EXPIRED
+    finally:
+        p.close()
+
+
+def test_a_server_without_landing_refuses_pushes_clearly() -> None:
+    store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=16 * SLOT))
+    srv = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT)
+    try:
+        with StoreClient("127.0.0.1", srv.port, compat=COMPAT) as c:
+            with pytest.raises(TransferError) as exc:
+                c.push_end("x", time.monotonic() + 2)
+            assert "does not accept pushes" in str(exc.value)
+            assert c.status(time.monotonic() + 2).entries == 0  # and the connection still serves
+    finally:
+        srv.close()
+        store.close()
+
+
+@pytest.mark.parametrize("value, ok", [("127.0.0.1:7000", ("127.0.0.1", 7000)), ("[::1]:80", ("::1", 80)),
+                                       ("host", None), ("h:0", None), ("h:x", None), (7, None)])
+def test_parse_target(value, ok) -> None:
+    if ok is None:
+        with pytest.raises(ValueError, match="push_target"):
+            parse_target(value)
+    else:
+        assert parse_target(value) == ok
+
+
+@pytest.mark.skipif(nixl_import_error() is not None, reason=f"NIXL not importable: {nixl_import_error()}")
+def test_nixl_push_lands_byte_exact() -> None:
+    p = Pair(nixl=True)
+    try:
+        data = p.stage_and_push("n1")
+        assert np.array_equal(landed(p, "n1"), data)
+        assert p.sender.flush(5) and p.done == {"n1": None}
+        status = store_status("127.0.0.1", p.dst_server.port)
+        assert status.entries == 1
+    finally:
+        p.close()
