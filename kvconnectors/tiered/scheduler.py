@@ -185,17 +185,20 @@ class TieredConnectorScheduler:
     def _add_save(self, meta: TieredConnectorMetadata, req_id: str, st: _Producing, num_computed: int,
                   num_scheduled: int) -> None:
         end_tokens = min(num_computed + num_scheduled, st.prompt_len)
-        end_block = -(-end_tokens // self.block_size)
-        # The last staged block may have been partial: stage it again with its new tokens.
-        first_block = max(0, st.staged_blocks - 1)
+        final = end_tokens >= st.prompt_len
+        # Stage only whole blocks until the prompt's last step (then its partial tail too): every
+        # block is written exactly once, so a layer group already on its way (push) never races
+        # a rewrite of the same slots, and no block is copied twice.
+        end_block = -(-end_tokens // self.block_size) if final else end_tokens // self.block_size
+        first_block = st.staged_blocks
         total = -(-st.prompt_len // self.block_size)
         meta.saves.append(SaveSpec(req_id=req_id, transfer_id=st.transfer_id,
                                    block_ids=st.block_ids[first_block:end_block], first_block=first_block,
-                                   total_blocks=total, seal=end_tokens >= st.prompt_len,
+                                   total_blocks=total, seal=final,
                                    push_target=st.push_target,
                                    layerwise=st.prompt_len >= self.config.layerwise_min_tokens))
         st.staged_blocks = end_block
-        st.sealed = end_tokens >= st.prompt_len
+        st.sealed = final
 
     def hit_source(self, request: "Request") -> Any:
         """vLLM's prompt_tokens_cached_by_source: pulled KV comes from a peer; pushed KV is read

@@ -60,10 +60,15 @@ def total(metrics: dict, name: str, **labels: str) -> float:
     return sum(v for lab, v in metrics.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
-def test_push_servers_equal_colocated(deep_model, prompts, colocated, transport, tmp_path) -> None:
+@pytest.mark.parametrize("transport, vllm_args", [
+    ("tcp", ""), ("nixl", ""),
+    # long prompts prefilled over several steps: groups of each step's whole blocks go out as staged
+    ("tcp", "--max-num-batched-tokens 512 --max-num-seqs 8"),
+], ids=["tcp", "nixl", "tcp-chunked"])
+def test_push_servers_equal_colocated(deep_model, prompts, colocated, transport, vllm_args, tmp_path) -> None:
     kv = {"kv_connector_extra_config": PUSH}
-    with PDCluster(deep_model, transport=transport, mode="push", kv_extra=kv, log_dir=tmp_path) as pd:
+    with PDCluster(deep_model, transport=transport, mode="push", kv_extra=kv, vllm_args=vllm_args,
+                   log_dir=tmp_path) as pd:
         assert_same_tokens(colocated, run_workload(pd, prompts))
         statuses = stores_empty(pd)
         assert all(s.entries == 0 and s.dram_used_bytes == 0 for s in statuses), statuses

@@ -53,6 +53,22 @@ def test_handoff_equals_colocated(tiny_model, prompts, colocated, transport) -> 
         assert stats["transfers"] == len(prompts) and not stats["failures"], stats
 
 
+def test_chunked_prefill_stages_every_block_once(tiny_model, prompts, colocated) -> None:
+    """Prompts prefilled in 48-token chunks (not block-aligned): intermediate steps stage only the
+    whole blocks, the last step the tail; the handoff still equals colocated and every block of
+    every layer is staged exactly once."""
+    with llm_engine(tiny_model, kv_transfer_config=tiered(), max_num_batched_tokens=48,
+                    max_model_len=512) as llm:
+        tickets = prefill(llm, prompts)
+        stats = worker_connector().connector_worker.totals.data
+        layers = worker_connector().connector_worker.layout.num_layers
+        blocks = sum(-(-n // BLOCK) for n in LENGTHS)
+        assert stats["blocks_staged"] == layers * blocks, (stats["blocks_staged"], layers * blocks)
+        outs = decode(llm, prompts, tickets, MAX_TOKENS)
+        assert_same_tokens(colocated, [list(o.outputs[0].token_ids) for o in outs])
+        assert_engine_idle(llm)
+
+
 def test_corrupted_transfer_changes_output(tiny_model, prompts, colocated) -> None:
     """Negative control: bytes flipped in transit, checksums off -> the decode output changes."""
     cfg = tiered(checksum=False, fault_injection=[{"action": "corrupt", "on": "read"}])
