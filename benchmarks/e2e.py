@@ -6,7 +6,11 @@ instance never prefills. Runs, side by side in one invocation:
 
   colocated   one server on both cores, whole-prompt prefill
   chunked     one server on both cores, chunked prefill (--chunk tokens per step)
-  tiered      1 prefill (core 0) + 1 decode (core 1), TieredConnector, our proxy
+  tiered      1 prefill (core 0) + 1 decode (core 1), TieredConnector, our proxy (pull: the
+              decode fetches the whole KV after the prefill ends)
+  tiered-push       the same, push mode, layer-wise: layer groups stream to the decode's landing
+                    store while the prefill computes the next layers (--group layers per message)
+  tiered-push-bulk  the same, push mode, but every layer in one message after the last layer
   nixl        1 prefill (core 0) + 1 decode (core 1), vLLM's NixlConnector, our proxy
 
 and reports ITL p50/p99 and the worst inter-token gap while long prompts are in flight, the long
@@ -28,7 +32,7 @@ import numpy as np
 
 from benchmarks.common import DEFAULT_OUT, setup_env, table
 
-CONFIGS = ("colocated", "chunked", "tiered", "nixl")
+CONFIGS = ("colocated", "chunked", "tiered", "tiered-push", "tiered-push-bulk", "nixl")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-tokens", type=int, default=3000, help="tokens per long prompt")
     parser.add_argument("--interval", type=float, default=1.5, help="seconds between long-prompt arrivals")
     parser.add_argument("--chunk", type=int, default=256, help="chunked-prefill token budget per step")
+    parser.add_argument("--group", type=int, default=2, help="tiered-push: layers per pushed message "
+                                                             "(layer_group_size)")
     parser.add_argument("--slo-itl-ms", type=float, default=100.0, help="SLO: a user's p99 inter-token gap")
     parser.add_argument("--slo-ttft-ms", type=float, default=5000.0, help="SLO: a long prompt's time to first token")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for e2e.json and e2e.png")
@@ -115,8 +121,15 @@ def _run_config(name: str, model: str, args: argparse.Namespace, log_dir: Path) 
         with VllmServer(model, name=name, extra_args=extra, env={"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
                         log_path=log_dir / f"{name}.log") as server:
             return asyncio.run(_scenario(server.url, server.served_model_name, args))
-    connector = "TieredConnector" if name == "tiered" else "NixlConnector"
-    with PDCluster(model, connector=connector, vllm_args=base, log_dir=log_dir / name, proxy_process=True) as pd:
+    connector = "NixlConnector" if name == "nixl" else "TieredConnector"
+    mode, kv = "pull", None
+    if name.startswith("tiered-push"):
+        # bulk: above any prompt length, so every layer goes in one message after the last layer
+        min_tokens = 1 << 30 if name.endswith("bulk") else 0
+        mode = "push"
+        kv = {"kv_connector_extra_config": {"layer_group_size": args.group, "layerwise_min_tokens": min_tokens}}
+    with PDCluster(model, connector=connector, vllm_args=base, log_dir=log_dir / name, proxy_process=True,
+                   mode=mode, kv_extra=kv) as pd:
         return asyncio.run(_scenario(pd.proxy_url, pd.prefill[0].served_model_name, args))
 
 

@@ -18,6 +18,11 @@ def test_defaults() -> None:
 
 @pytest.mark.parametrize("extra, key", [
     ({"transport": "udp"}, "transport"),
+    ({"transfer_mode": "stream"}, "transfer_mode"),
+    ({"layer_group_size": 0}, "layer_group_size"),
+    ({"layer_group_size": True}, "layer_group_size"),
+    ({"layerwise_min_tokens": -1}, "layerwise_min_tokens"),
+    ({"layerwise_min_tokens": "256"}, "layerwise_min_tokens"),
     ({"lease_ttl_s": -1}, "lease_ttl_s"),
     ({"lease_ttl_s": 0}, "lease_ttl_s"),
     ({"lease_ttl_s": float("nan")}, "lease_ttl_s"),
@@ -69,6 +74,7 @@ def test_ticket_round_trip() -> None:
     (lambda k: k.update(block_size=16, num_blocks=5), FailureCause.LAYOUT_MISMATCH, "block_size"),
     (lambda k: k.update(v=99), FailureCause.BAD_PARAMS, "v=99"),
     (lambda k: k.update(evil="__import__('os')"), FailureCause.BAD_PARAMS, "evil"),
+    (lambda k: k.update(push_target=7), FailureCause.BAD_PARAMS, "push_target"),
 ])
 def test_malformed_tickets_are_typed_and_name_the_field(mutate, cause, needle) -> None:
     prompt = list(range(70))
@@ -85,3 +91,12 @@ def test_ticket_for_another_prompt_is_refused() -> None:
         kvparams.parse(t, list(range(1, 71)), 32)
     with pytest.raises(TransferError, match="num_tokens"):
         kvparams.parse(t, list(range(71)), 32)
+
+
+def test_push_mode_asks_vllm_for_piecewise_cuda_graphs() -> None:
+    """save_kv_layer does work between layers in push mode: a full captured graph would skip it."""
+    from kvconnectors.tiered.connector import TieredConnector
+
+    assert TieredConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push"})
+    assert not TieredConnector.requires_piecewise_for_cudagraph({"transfer_mode": "pull"})
+    assert not TieredConnector.requires_piecewise_for_cudagraph({})
