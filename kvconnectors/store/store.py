@@ -219,16 +219,21 @@ class TieredStore:
         with self._cond:
             return self._live(key).checksums
 
-    def read_into(self, key: str, layer: int, first_block: int, out: Any) -> None:
+    def read_into(self, key: str, layer: int, first_block: int, out: Any, *, unsealed: bool = False) -> None:
         """Copy n slots into `out` (writable, n*slot_bytes) from wherever they live. Slots on NVMe
-        are promoted to DRAM on the way when free DRAM allows (never by evicting anything)."""
+        are promoted to DRAM on the way when free DRAM allows (never by evicting anything).
+        unsealed=True (push mode) reads already written slots of an entry still being staged,
+        without promoting them."""
         dst = as_slots(out, self.slot_bytes, writable=True, what="read_into out")
         n = dst.shape[0]
         with self._cond:
-            e = self._usable(key)
+            e = self._live(key) if unsealed else self._usable(key)
             idx = self._slice(e, layer, first_block, n)
+            if unsealed and not e.written[idx].all():
+                raise ValueError(f"transfer {key!r}: layer {layer} blocks [{first_block}, {first_block + n}) "
+                                 "are not all written yet")
             on_nvme = np.flatnonzero(e.loc[idx] < 0) + idx.start
-            if on_nvme.size and not e.restoring and self._arena.free_slots >= on_nvme.size:
+            if on_nvme.size and not unsealed and not e.restoring and self._arena.free_slots >= on_nvme.size:
                 try:
                     self._restore_locked(e, on_nvme, allow_spill=False)
                 except OSError:

@@ -79,7 +79,7 @@ class TieredConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         if num_external_tokens == 0 or self.connector_scheduler is None:
             return {}
-        return {self.connector_scheduler.hit_source(request): num_external_tokens}
+        return self.connector_scheduler.hit_sources(request, num_external_tokens)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

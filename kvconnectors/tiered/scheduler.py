@@ -58,6 +58,7 @@ class TieredConnectorScheduler:
         self._waiting_remote: dict[str, tuple[list[tuple[str, int]], str]] = {}  # req -> (producer ranks, tid)
         self._warned_push = False
         self._pushed: set[str] = set()  # consumer requests whose KV is pushed into our landing store
+        self._locator: StoreClient | None = None  # to our own landing store, for hit sources
         self._secret = load_secret(config.secret_file)
         self._compat = wire.compat_hash("tiered")
         self._keeper: LeaseKeeper | None = None
@@ -200,12 +201,28 @@ class TieredConnectorScheduler:
         st.staged_blocks = end_block
         st.sealed = final
 
-    def hit_source(self, request: "Request") -> Any:
-        """vLLM's prompt_tokens_cached_by_source: pulled KV comes from a peer; pushed KV is read
-        from this instance's own host-memory landing store."""
+    def hit_sources(self, request: "Request", num_tokens: int) -> dict[Any, int]:
+        """vLLM's prompt_tokens_cached_by_source: pulled KV comes from a peer (p2p); pushed KV
+        is read from this instance's own landing store, split by the tier holding it (host
+        memory or disk). Asking costs one loopback round trip per pushed request."""
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-        return CacheHitSource.HOST if request.request_id in self._pushed else CacheHitSource.P2P
+        if request.request_id not in self._pushed or not self._addrs:
+            return {CacheHitSource.P2P: num_tokens}
+        tid = request.kv_transfer_params[kvparams.KEY]["transfer_id"]
+        try:
+            if self._locator is None:
+                self._locator = self._client((self._addrs[0].host, self._addrs[0].port))
+            where = self._locator.locate(tid, time.monotonic() + self.config.connect_timeout_s)
+        except TransferError as exc:
+            logger.debug("could not locate %s in the landing store: %s", tid, exc)
+            if self._locator is not None:
+                self._locator.close()
+                self._locator = None
+            return {CacheHitSource.HOST: num_tokens}
+        slots = where.dram_slots + where.nvme_slots
+        disk = round(num_tokens * where.nvme_slots / slots) if where.found and slots else 0
+        return {k: v for k, v in ((CacheHitSource.HOST, num_tokens - disk), (CacheHitSource.DISK, disk)) if v}
 
     def update_connector_output(self, output: Any) -> None:
         """Loads that finished (or failed) need no more heartbeats."""
@@ -250,5 +267,7 @@ class TieredConnectorScheduler:
         return False, None
 
     def shutdown(self) -> None:
+        if self._locator is not None:
+            self._locator.close()
         if self._keeper is not None:
             self._keeper.close()

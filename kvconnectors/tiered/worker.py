@@ -413,15 +413,13 @@ class TieredConnectorWorker:
         tid = p.transfer_id
         self.landing.wait(tid, deadline, time.monotonic() + min(FIRST_CHUNK_GRACE_S, self.config.load_timeout_s / 2))
         try:
-            last = first_block + len(targets)
             ids = np.asarray(targets)
-            with self.store.pinned_views(tid) as pv:
-                for layer in range(self.layout.num_layers):
-                    dst, start = self._blocks[layer], first_block
-                    for run in pv.run_views(layer, first_block, last):
-                        rows = np.frombuffer(run, dtype=np.uint8).reshape(-1, dst.shape[1])
-                        dst[ids[start - first_block:start - first_block + len(rows)]] = rows
-                        start += len(rows)
+            # read_into, not pinning: part of a landed entry may sit on NVMe, and DRAM may be too
+            # short to hold all of it at once.
+            buf = np.empty((len(targets), self.store.slot_bytes), dtype=np.uint8)
+            for layer in range(self.layout.num_layers):
+                self.store.read_into(tid, layer, first_block, buf)
+                self._blocks[layer][ids] = buf
             return len(targets) * self.layout.num_layers * self.store.slot_bytes
         finally:
             self.landing.forget(tid)

@@ -222,6 +222,10 @@ class StoreClient:
                                     message=str(error).split("] ", 1)[-1]))
         self._expect(wire.Ack, deadline)
 
+    def locate(self, transfer_id: str, deadline: float) -> wire.LocateReply:
+        self._send(wire.Locate(transfer_id=transfer_id))
+        return self._expect(wire.LocateReply, deadline)
+
     def status(self, deadline: float) -> wire.StatusReply:
         wire.send_msg(self.sock, wire.Status())
         return self._expect(wire.StatusReply, deadline)

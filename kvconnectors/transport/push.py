@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import StoreClient
@@ -150,15 +150,24 @@ class PushSender:
         head = dict(transfer_id=job.transfer_id, num_layers=self.num_layers,
                     total_blocks=self.store.info(job.transfer_id).num_blocks, fingerprint=self.fingerprint,
                     layers=job.layers, first_block=first, num_blocks=job.num_blocks, checksums=job.checksums)
-        with self.store.pinned_views(job.transfer_id, job.layers, unsealed=True) as pv:
-            if self._nixl is not None:
-                offsets = np.concatenate([pv.offsets(layer)[first:last] for layer in job.layers]).tolist()
-                msg = wire.Push(**head, data_path="nixl", offsets=offsets, nixl_agent_meta=self._nixl.metadata,
-                                nixl_base_address=self._nixl.base_address)
-                client.push(msg, (), deadline, progress=self._nixl.serve_until_readable)
-            else:
-                views = [v for layer in job.layers for v in pv.run_views(layer, first, last)]
-                client.push(wire.Push(**head, nbytes=nbytes), views, deadline)
+        try:
+            with self.store.pinned_views(job.transfer_id, job.layers, unsealed=True) as pv:
+                if self._nixl is not None:
+                    offsets = np.concatenate([pv.offsets(layer)[first:last] for layer in job.layers]).tolist()
+                    msg = wire.Push(**head, data_path="nixl", offsets=offsets,
+                                    nixl_agent_meta=self._nixl.metadata, nixl_base_address=self._nixl.base_address)
+                    client.push(msg, (), deadline, progress=self._nixl.serve_until_readable)
+                else:
+                    views = [v for layer in job.layers for v in pv.run_views(layer, first, last)]
+                    client.push(wire.Push(**head, nbytes=nbytes), views, deadline)
+        except StoreFullError:
+            # Staged straight to NVMe (DRAM was short): not in the arena, so send it inline from a
+            # bounce buffer read off the disk tier.
+            buf = np.empty((len(job.layers) * job.num_blocks, slot), dtype=np.uint8)
+            for i, layer in enumerate(job.layers):
+                self.store.read_into(job.transfer_id, layer, first, buf[i * job.num_blocks:(i + 1) * job.num_blocks],
+                                     unsealed=True)
+            client.push(wire.Push(**head, nbytes=nbytes), [memoryview(buf.reshape(-1))], deadline)
         self.pushes += 1
         self.bytes_pushed += nbytes
 

@@ -208,6 +208,8 @@ class StoreServer:
                 self._release(sock, msg)
             elif isinstance(msg, wire.Status):
                 self._status(sock)
+            elif isinstance(msg, wire.Locate):
+                self._locate(sock, msg)
             elif isinstance(msg, (wire.Push, wire.PushEnd)):
                 if self.landing is None:
                     if isinstance(msg, wire.Push) and msg.data_path == "inline" and msg.nbytes:
@@ -411,6 +413,14 @@ class StoreServer:
             entries=usage["entries"], dram_used_bytes=usage["dram"]["used_bytes"],
             nvme_used_bytes=usage["nvme"]["used_bytes"], pinned=usage["pinned"],
             active_connections=self.active_connections - 1, counters=counters))  # minus this one
+
+    def _locate(self, sock: socket.socket, msg: wire.Locate) -> None:
+        try:
+            info = self.store.info(msg.transfer_id)
+        except TransferError:
+            wire.send_msg(sock, wire.LocateReply(found=False))
+            return
+        wire.send_msg(sock, wire.LocateReply(found=True, dram_slots=info.dram_slots, nvme_slots=info.nvme_slots))
 
     def _release(self, sock: socket.socket, msg: wire.Release) -> None:
         self.store.release(msg.transfer_id)  # no-op for an entry that already ended

@@ -15,6 +15,7 @@ Version history:
   3 - push: the producer streams layer groups into the consumer's landing store (Push, each
       answered by Ack) and ends with PushEnd (seal, or abort with a cause). Push data_path
       "inline" sends the bytes after the frame; "nixl" names arena offsets the landing side READs.
+      Locate/LocateReply: which tier holds an entry's slots (vLLM's cache-hit source, host/disk).
 """
 
 from __future__ import annotations
@@ -132,8 +133,19 @@ class PushEnd(msgspec.Struct, tag=True):
     message: str = ""
 
 
+class Locate(msgspec.Struct, tag=True):
+    """Where does the store hold this transfer (DRAM / NVMe slots)?"""
+    transfer_id: str
+
+
+class LocateReply(msgspec.Struct, tag=True):
+    found: bool
+    dram_slots: int = 0
+    nvme_slots: int = 0
+
+
 Message = Union[Hello, Welcome, Proof, Read, ReadReply, Renew, RenewReply, Release, Ack, Status, StatusReply,
-                Push, PushEnd]
+                Push, PushEnd, Locate, LocateReply]
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

@@ -110,3 +110,22 @@ def test_decode_hanging_up_mid_push_fails_loudly_and_recompute_heals(deep_model,
         p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
     assert total(p, "kvconnectors:transfer_failures_total", cause="push_peer_unreachable") >= 1
     assert total(d, "kvconnectors:transfer_failures_total", cause="peer_unreachable") >= 1
+
+
+def test_small_dram_spills_both_sides_and_reports_disk_hits(deep_model, prompts, colocated, tmp_path) -> None:
+    """DRAM budgets far below the workload on both sides: the prefill stages long prompts onto
+    NVMe (pushed from there), the decode lands them partly on NVMe; the outputs still equal
+    colocated, and the decode attributes the NVMe-held part of the prompts to `disk`."""
+    kv = {"kv_connector_extra_config": {**PUSH, "dram_bytes": "2MiB", "nvme_dirs": [str(tmp_path / "nvme")],
+                                        "nvme_bytes": "512MiB"}}
+    with PDCluster(deep_model, transport="tcp", mode="push", kv_extra=kv, log_dir=tmp_path / "logs") as pd:
+        assert_same_tokens(colocated, run_workload(pd, prompts))
+        statuses = stores_empty(pd)
+        assert all(s.entries == 0 and s.nvme_used_bytes == 0 for s in statuses), statuses
+        run_workload(pd, prompts[:1])
+        p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
+    assert total(d, "kvconnectors:push_fallbacks_total") == 0
+    assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="disk") > 0
+    assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="host") > 0
+    assert total(p, "kvconnectors:store_nvme_bytes") == 0
+    assert not list((tmp_path / "nvme").glob("*.kv")), "NVMe extent files left behind after shutdown"

@@ -255,3 +255,27 @@ def test_nixl_push_lands_byte_exact() -> None:
         assert status.entries == 1
     finally:
         p.close()
+
+
+def test_locate_reports_the_tiers_holding_an_entry(pair) -> None:
+    pair.stage_and_push("t")
+    landed(pair, "t")
+    with StoreClient("127.0.0.1", pair.dst_server.port, compat=COMPAT) as c:
+        where = c.locate("t", time.monotonic() + 2)
+        assert (where.found, where.dram_slots, where.nvme_slots) == (True, LAYERS * BLOCKS, 0)
+        assert not c.locate("nope", time.monotonic() + 2).found
+
+
+def test_pushing_slots_staged_on_nvme_goes_inline_from_disk(tmp_path) -> None:
+    """A producer whose DRAM is short staged the entry straight to NVMe: the push reads it back
+    from disk (not pinnable in the arena) and it still lands byte-exact."""
+    p = Pair()
+    try:
+        p.src.close()
+        p.sender.store = p.src = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=4 * SLOT,
+                                                         nvme_dirs=[str(tmp_path)], nvme_bytes=64 * SLOT))
+        data = p.stage_and_push("disk")
+        assert np.array_equal(landed(p, "disk"), data)
+        assert p.sender.flush(5) and p.done == {"disk": None}
+    finally:
+        p.close()
