@@ -11,7 +11,7 @@ from kvconnectors.serving import process_tree
 from kvconnectors.transport.client import store_status
 
 
-def pd_leaks(pd: Any, producer_alive: bool = True) -> list[str]:
+def pd_leaks(pd: Any, producer_alive: bool = True, secret: bytes | None = None) -> list[str]:
     """What is still held on either side of a PDCluster (empty when clean)."""
     problems = []
     for s in (pd.servers if producer_alive else pd.decode):
@@ -21,7 +21,7 @@ def pd_leaks(pd: Any, producer_alive: bool = True) -> list[str]:
                 problems.append(f"{s.name}: {name} != 0")
     host, port = pd.plans[0].kv_addr.rsplit(":", 1)
     if producer_alive:
-        st = store_status(host, int(port))
+        st = store_status(host, int(port), secret=secret)
         if st.entries or st.dram_used_bytes or st.nvme_used_bytes or st.active_connections:
             problems.append(f"producer store: {st.entries} entries, {st.dram_used_bytes} DRAM bytes, "
                             f"{st.active_connections} connections")
@@ -37,11 +37,11 @@ def pd_leaks(pd: Any, producer_alive: bool = True) -> list[str]:
     return problems
 
 
-def assert_pd_idle(pd: Any, producer_alive: bool = True, timeout: float = 20.0) -> None:
+def assert_pd_idle(pd: Any, producer_alive: bool = True, timeout: float = 20.0, secret: bytes | None = None) -> None:
     """Wait (bounded) until nothing is held, else fail naming what is."""
     deadline = time.monotonic() + timeout
     while True:
-        problems = pd_leaks(pd, producer_alive)
+        problems = pd_leaks(pd, producer_alive, secret)
         if not problems:
             return
         if time.monotonic() > deadline:

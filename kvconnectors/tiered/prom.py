@@ -11,6 +11,8 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
+from kvconnectors.tiered import client_errors
+
 _SECONDS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 _STORE_COUNTERS = {
     "spills": "entries spilled from DRAM to NVMe",
@@ -35,6 +37,7 @@ class TieredPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._labels = labelnames
+        client_errors.install()  # this is the API-server process: let failed requests say why
 
         def per_engine(metric: Any) -> dict[int, Any]:
             return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
@@ -69,6 +72,7 @@ class TieredPromMetrics(KVConnectorPromMetrics):
             for k, doc in _STORE_GAUGES.items()}
 
     def observe(self, data: dict[str, Any], engine_idx: int = 0) -> None:
+        client_errors.remember(data.get("errors"))
         if data.get("transfers"):
             self.transfers[engine_idx].inc(data["transfers"])
         if data.get("bytes_received"):

@@ -16,7 +16,8 @@ _COUNTERS = ("transfers", "bytes_received", "bytes_staged", "blocks_staged", "st
 
 
 def _empty() -> dict[str, Any]:
-    return {**{k: 0 for k in _COUNTERS}, "transfer_seconds": [], "failures": {}}
+    # errors: request id -> [cause, message] of failed loads, for the client's error (client_errors.py)
+    return {**{k: 0 for k in _COUNTERS}, "transfer_seconds": [], "failures": {}, "errors": {}}
 
 
 @dataclass
@@ -35,6 +36,11 @@ class TieredStats(KVConnectorStats):
 
     def record_failure(self, cause: str) -> None:
         self.data["failures"][cause] = self.data["failures"].get(cause, 0) + 1
+
+    def record_error(self, req_id: str, cause: str, message: str) -> None:
+        errors = self.data.setdefault("errors", {})
+        if len(errors) < 256:  # bounded per interval; beyond it clients get vLLM's generic error
+            errors[req_id] = [cause, message[:500]]
 
     def record_staged(self, nbytes: int, blocks: int) -> None:
         self.data["bytes_staged"] += nbytes
@@ -61,6 +67,7 @@ class TieredStats(KVConnectorStats):
         self.data["transfer_seconds"].extend(other.data.get("transfer_seconds", []))
         for cause, n in other.data.get("failures", {}).items():
             self.data["failures"][cause] = self.data["failures"].get(cause, 0) + n
+        self.data.setdefault("errors", {}).update(other.data.get("errors", {}))
         theirs = other.data.get("store")
         if theirs:  # tensor-parallel ranks each hold a shard: store numbers add up
             mine = self.data.setdefault("store", {"gauges": {}, "deltas": {}})

@@ -88,6 +88,7 @@ class TieredConnectorWorker:
         self._lock = threading.RLock()
         self._done: set[str] = set()
         self._failed: dict[str, TransferError] = {}
+        self._failed_ready: dict[str, TransferError] = {}  # reported at the next take_results
         self.stats = TieredStats()    # this interval's, handed to vLLM and reset
         self.totals = TieredStats()   # since start-up: what tests and diagnostics read
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrent_loads, thread_name_prefix="kvc-pull")
@@ -451,6 +452,7 @@ class TieredConnectorWorker:
             else:
                 self._failed[req_id] = error
                 self._record("record_failure", error.cause.value)
+                self._record("record_error", req_id, error.cause.value, str(error).split("] ", 1)[-1])
         if error is not None:
             logger.error("KV load for request %s failed: %s", req_id, error)
 
@@ -460,9 +462,12 @@ class TieredConnectorWorker:
                 getattr(stats, what)(*args)
 
     def take_results(self) -> tuple[set[str], dict[str, TransferError]]:
+        """Loads done now, and loads failed by the previous call: a failure's cause rides this
+        step's stats to the API server, which must have it before the request's error output
+        (client_errors.py); one engine step later, on failures only."""
         with self._lock:
-            done, failed = self._done, self._failed
-            self._done, self._failed = set(), {}
+            done, failed = self._done, self._failed_ready
+            self._done, self._failed_ready, self._failed = set(), self._failed, {}
         return done, failed
 
     def get_stats(self) -> TieredStats | None:

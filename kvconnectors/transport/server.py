@@ -412,7 +412,8 @@ class StoreServer:
         wire.send_msg(sock, wire.StatusReply(
             entries=usage["entries"], dram_used_bytes=usage["dram"]["used_bytes"],
             nvme_used_bytes=usage["nvme"]["used_bytes"], pinned=usage["pinned"],
-            active_connections=self.active_connections - 1, counters=counters))  # minus this one
+            active_connections=self.active_connections - 1, counters=counters,  # minus this one
+            rejected=dict(self.counters.rejected)))
 
     def _locate(self, sock: socket.socket, msg: wire.Locate) -> None:
         try:

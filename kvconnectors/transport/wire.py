@@ -104,6 +104,7 @@ class StatusReply(msgspec.Struct, tag=True):
     pinned: int
     active_connections: int
     counters: dict[str, int]
+    rejected: dict[str, int] = msgspec.field(default_factory=dict)  # server refusals by cause (auth, ...)
 
 
 class Push(msgspec.Struct, tag=True):

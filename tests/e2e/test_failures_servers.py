@@ -20,7 +20,9 @@ from kvconnectors.serving import post_json
 from kvconnectors.testing.compare import assert_same_tokens, first_mismatch
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import token_prompts
+from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.testing.leaks import assert_pd_idle
+from kvconnectors.transport.client import store_status
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -88,6 +90,9 @@ def test_fail_policy_scenarios(tiny_model, prompts, colocated, tmp_path) -> None
         outs = through_proxy(pd, prompts[:8])
         errors = [i for i, o in enumerate(outs) if isinstance(o, str)]
         assert len(errors) == 2, outs
+        # the client's error says what failed, through the proxy too
+        said = sorted(c for i in errors for c in ("checksum_mismatch", "peer_unreachable") if f"[{c}]" in outs[i])
+        assert said == ["checksum_mismatch", "peer_unreachable"], [outs[i] for i in errors]
         ok = [i for i in range(8) if i not in errors]
         assert_same_tokens([colocated[i] for i in ok], [outs[i] for i in ok])
         assert failures(pd.decode[0]) == {"checksum_mismatch": 1.0, "peer_unreachable": 1.0}, failures(pd.decode[0])
@@ -105,12 +110,15 @@ def test_fail_policy_scenarios(tiny_model, prompts, colocated, tmp_path) -> None
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda a: decode(pd, *a), list(zip(prompts[:5], bad)) + [(prompts[5], tickets[5])]))
         assert all(isinstance(r, str) for r in results[:5]), results
+        expected = ["bad_params"] * 3 + ["layout_mismatch"] * 2
+        assert all(f"KV transfer failed [{c}]" in r for c, r in zip(expected, results)), results[:5]
         assert results[5] == colocated[5], "a good request next to bad ones must still be correct"
         f = failures(pd.decode[0])
         assert f.get("bad_params") == 3 and f.get("layout_mismatch") == 2, f
         ticket = prefill_ticket(pd, prompts[6])
         time.sleep(6)  # lease_ttl_s=4 and nobody renews it: expired
-        assert isinstance(decode(pd, prompts[6], ticket), str)
+        expired = decode(pd, prompts[6], ticket)
+        assert isinstance(expired, str) and "[lease_expired]" in expired, expired
         assert failures(pd.decode[0]).get("lease_expired") == 1
         time.sleep(5)  # the never-pulled entries of the bad tickets expire too
         assert_nothing_left(pd)
@@ -122,7 +130,8 @@ def test_fail_policy_scenarios(tiny_model, prompts, colocated, tmp_path) -> None
             fut = pool.submit(decode, pd, prompts[8], slow)
             time.sleep(2.0)
             os.killpg(os.getpgid(pd.prefill[0].pid), signal.SIGKILL)
-            assert isinstance(fut.result(timeout=60), str)
+            killed = fut.result(timeout=60)
+            assert isinstance(killed, str) and "[peer_unreachable]" in killed, killed
         assert failures(pd.decode[0]).get("peer_unreachable") == 2
         assert_nothing_left(pd, producer_alive=False)
 
@@ -155,3 +164,26 @@ def test_retry_heals_transient_faults(tiny_model, prompts, colocated, tmp_path) 
         assert sum(v for _, v in d.get("kvconnectors:transfer_retries_total", [])) == 3
         assert not failures(pd.decode[0])
         assert_nothing_left(pd)
+
+
+def test_wrong_secret_is_refused_typed_and_counted(tiny_model, prompts, tmp_path) -> None:
+    """Prefill and decode hold different shared secrets (from the environment, never the command
+    line): every pull is refused at the handshake, the client's error says `auth`, the producer
+    counts the refusals, and the never-pulled entries end with their lease."""
+    kv = {"kv_connector_extra_config": {"lease_ttl_s": 3, "connect_timeout_s": 2}}
+    producer_secret = b"prefill-secret-0123456789"
+    pd = PDCluster(tiny_model, kv_extra=kv, log_dir=tmp_path)
+    pd.prefill[0].env_overrides["KVCONNECTORS_SECRET"] = producer_secret.decode()
+    pd.decode[0].env_overrides["KVCONNECTORS_SECRET"] = "decode-secret-9876543210"
+    with pd:
+        outs = through_proxy(pd, prompts[:4])
+        assert all(isinstance(o, str) and "[auth]" in o for o in outs), outs
+        assert failures(pd.decode[0]) == {"auth": 4.0}, failures(pd.decode[0])
+        host, port = pd.plans[0].kv_addr.rsplit(":", 1)
+        status = store_status(host, int(port), secret=producer_secret)
+        assert status.rejected.get("auth", 0) >= 4, status.rejected
+        with pytest.raises(TransferError) as exc:  # and a peer without any secret is refused too
+            store_status(host, int(port), secret=b"")
+        assert exc.value.cause is FailureCause.AUTH
+        time.sleep(4)  # lease_ttl_s=3: the refused consumers could not release, expiry does
+        assert_pd_idle(pd, secret=producer_secret)
