@@ -272,6 +272,20 @@ def test_request_id_propagated_to_both_legs():
     run(go())
 
 
+def test_upstream_legs_are_json_and_ask_for_uncompressed_bodies():
+    """Bodies go out pre-encoded (not via aiohttp's json=), so the content type is set by hand;
+    the decode body is relayed as received, so it must not come back compressed."""
+    async def go():
+        async with Harness() as h:
+            status, _, data = await h.post("/v1/completions", {**COMPLETION, "prompt": "h\u00e9llo \u4e16\u754c"})
+            assert status == 200, data
+            for leg in (h.prefill[0].requests[0], h.decode[0].requests[0]):
+                assert leg["headers"]["Content-Type"] == "application/json"
+                assert leg["headers"]["Accept-Encoding"] == "identity"
+                assert leg["body"]["prompt"] == "h\u00e9llo \u4e16\u754c"
+    run(go())
+
+
 def test_push_mode_picks_decode_first_and_names_its_store():
     async def go():
         async with Harness(n_decode=2, mode="push", kv=True) as h:
