@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import re
 import signal
 import sys
 import time
@@ -46,6 +47,8 @@ log = logging.getLogger("kvconnectors.proxy")
 REQUEST_ID_HEADER = "X-Request-Id"
 MODE_HEADER = "X-KV-Transfer-Mode"
 MODES = ("pull", "push")
+# A decode instance running TieredConnector says why a KV load failed (kvconnectors/tiered/client_errors.py)
+KV_CAUSE = re.compile(r"KV transfer failed \[(\w+)\]: ")
 # Headers passed on to both legs (vLLM may run with --api-key).
 FORWARDED_HEADERS = ("Authorization",)
 
@@ -668,9 +671,15 @@ class PDProxy:
                         if up.status < 500:
                             fail.labels("http_4xx").inc()
                             raise PassThrough(up.status, data, up.content_type)
+                        text = _snippet(data)
+                        cause = KV_CAUSE.search(text)
+                        if cause is not None:  # TieredConnector names why the load failed
+                            fail.labels(f"kv_{cause.group(1)}").inc()
+                            raise ProxyError(502, "kv_transfer_error", f"decode instance {inst.url} could not "
+                                             f"load the prompt's KV cache: {text}", f"kv_{cause.group(1)}")
                         fail.labels("http_5xx").inc()
                         raise ProxyError(502, "upstream_error", f"decode instance {inst.url} returned HTTP "
-                                         f"{up.status}: {_snippet(data)}", "http_5xx")
+                                         f"{up.status}: {text}", "http_5xx")
                     if up.content_type != "text/event-stream":
                         data = await up.read()
                         return web.Response(body=data, status=up.status,

@@ -85,6 +85,10 @@ class FakeVllm:
             if self.mode == "fail500":
                 return web.json_response({"error": {"message": f"{self.name} exploded", "type": "InternalServerError",
                                                     "code": 500}}, status=500)
+            if self.mode == "kvfail":  # what a TieredConnector decode answers when a KV load failed
+                return web.json_response({"error": {"message": "KV transfer failed [checksum_mismatch]: block 3 "
+                                                               "of 12 differs", "type": "InternalServerError",
+                                                    "code": 500}}, status=500)
             if self.mode == "fail400":
                 return web.json_response({"error": {"message": "max_tokens too large", "type": "BadRequestError",
                                                     "code": 400}}, status=400)
@@ -418,6 +422,19 @@ def test_decode_5xx_is_clear_502():
             assert "r1" in data["error"]["message"] and headers["X-Request-Id"] == "r1"
             m = await h.metrics()
             assert metric(m, "kvproxy_decode_failures_total", reason="http_5xx") == 1
+    run(go())
+
+
+def test_decode_kv_failure_names_its_cause():
+    async def go():
+        async with Harness() as h:
+            h.decode[0].mode = "kvfail"
+            status, _, data = await h.post("/v1/completions", COMPLETION)
+            assert status == 502 and data["error"]["type"] == "kv_transfer_error", data
+            assert "[checksum_mismatch]" in data["error"]["message"] and "KV cache" in data["error"]["message"]
+            m = await h.metrics()
+            assert metric(m, "kvproxy_decode_failures_total", reason="kv_checksum_mismatch") == 1
+            assert metric(m, "kvproxy_decode_failures_total", reason="http_5xx") == 0
     run(go())
 
 
