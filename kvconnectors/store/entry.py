@@ -36,6 +36,7 @@ class Entry:
     written: np.ndarray = field(default=None)  # type: ignore[assignment]
     pins: int = 0                             # pinned_views holders
     io: int = 0                               # read_into/write calls copying right now
+    writes: int = 0                           # of those, writes (a seal must wait for them, not for reads)
     spilling: bool = False                    # its DRAM slots are being handed away: no new refs
     restoring: bool = False                   # a restore is moving it up: no second mover
     ended: str | None = None                  # detached from the key table (released/expired); free when idle

@@ -174,6 +174,7 @@ class TieredStore:
                 raise ValueError(f"transfer {key!r} is sealed; its bytes cannot change")
             idx = self._slice(e, layer, first_block, n)
             e.io += 1
+            e.writes += 1
             loc = e.loc[idx].copy()
         ok = False
         try:
@@ -185,6 +186,7 @@ class TieredStore:
         finally:
             with self._cond:
                 e.io -= 1
+                e.writes -= 1
                 ended = e.ended
                 if ok and ended is None:
                     e.written[idx] = True
@@ -201,11 +203,11 @@ class TieredStore:
             if e.sealed:
                 raise ValueError(f"transfer {key!r} is already sealed")
             missing = np.flatnonzero(~e.written)
-            if missing.size or e.io:
+            if missing.size or e.writes:  # reads in flight (a push of written slots) do not matter
                 first = divmod(int(missing[0]), e.num_blocks) if missing.size else None
                 raise ValueError(f"transfer {key!r} cannot be sealed: {missing.size} of {e.num_slots} slots "
                                  f"never written (first: layer, block = {first})"
-                                 + (f"; {e.io} writes in flight" if e.io else ""))
+                                 + (f"; {e.writes} writes in flight" if e.writes else ""))
             e.sealed = True
             e.checksums = dict(checksums) if checksums is not None else None
         self.stats.add(seals=1)

@@ -197,17 +197,21 @@ class TieredConnectorWorker:
         host, port = parse_target(target)
         return host, port + self.layout.tp_rank  # rank r of the consumer listens on port + r
 
-    def _push_group(self, spec: SaveSpec) -> None:
-        """Hand the staged, not yet pushed layers of `spec` to the push sender."""
-        layers = self._push_layers.pop(spec.transfer_id, None)
-        if not layers or self.pusher is None:
+    def _push_group(self, spec: SaveSpec, end: bool = False) -> None:
+        """Hand the staged, not yet pushed layers of `spec` to the push sender; `end`: the
+        transfer's last message (the landing side seals it; sent even with no layers left)."""
+        layers = self._push_layers.pop(spec.transfer_id, None) or []
+        if self.pusher is None or not (layers or end):
+            return
+        if not layers:
+            self.pusher.submit(PushJob(spec.transfer_id, self._push_targets[spec.transfer_id], end=True))
             return
         n = len(spec.block_ids)
         sums = self._checksums[spec.transfer_id]
         checksums = (np.concatenate([sums[layer, spec.first_block:spec.first_block + n] for layer in layers])
                      .tolist() if self.config.checksum else None)
         self.pusher.submit(PushJob(spec.transfer_id, self._push_targets[spec.transfer_id], layers,
-                                   spec.first_block, n, checksums))
+                                   spec.first_block, n, checksums, end=end))
 
     def wait_for_save(self, meta: TieredConnectorMetadata) -> None:
         if self.store is None:
@@ -222,8 +226,8 @@ class TieredConnectorWorker:
         sealed = False
         for spec in meta.saves:
             tid = spec.transfer_id
-            if tid in self._push_targets and tid not in self._staging_failed:
-                self._push_group(spec)  # the last group (or, below layerwise_min_tokens, all layers)
+            if not spec.seal and tid in self._push_targets and tid not in self._staging_failed:
+                self._push_group(spec)  # this step's last group; the prompt goes on next step
             if not spec.seal or tid in self._staging_failed:
                 continue
             sums = self._checksums.pop(tid, None)
@@ -237,9 +241,11 @@ class TieredConnectorWorker:
             except (TransferError, ValueError) as exc:
                 self._fail_staging(tid, TransferError(FailureCause.PROTOCOL, f"seal failed: {exc}"))
                 continue
-            target = self._push_targets.pop(tid, None)
-            if target is not None and self.pusher is not None:
-                self.pusher.submit(PushJob(tid, target, end=True))
+            if tid in self._push_targets:
+                # the last group (below layerwise_min_tokens: every layer), sealing the landing copy;
+                # after our own seal, because a landed push releases our staged copy
+                self._push_group(spec, end=True)
+                self._push_targets.pop(tid, None)
         if sealed and self.server is not None:
             self.server.notify_sealed()
 

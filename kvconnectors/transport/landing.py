@@ -134,6 +134,9 @@ class Landing:
             return
         self.counters["pushes"] += 1
         self.counters["push_bytes"] += rows * slot
+        if msg.seal:
+            self.handle_end(sock, wire.PushEnd(transfer_id=msg.transfer_id), conn)
+            return
         wire.send_msg(sock, wire.Ack(ok=True))
 
     def handle_end(self, sock: socket.socket, msg: wire.PushEnd, conn: ConnectionState) -> None:

@@ -51,7 +51,7 @@ class PushJob:
     first_block: int = 0
     num_blocks: int = 0
     checksums: list[int] | None = None
-    end: bool = False                       # send PushEnd (after every earlier job of the transfer)
+    end: bool = False                       # the transfer's last job: seal it (with these layers, if any)
     abort: TransferError | None = None      # send PushEnd(ok=False) with this cause instead
 
 
@@ -134,11 +134,13 @@ class PushSender:
         deadline = time.monotonic() + self.timeout_s
         try:
             client = self._client(job.target)
-            if job.abort is not None or job.end:
+            if job.abort is not None or (job.end and not job.layers):
                 client.push_end(tid, deadline, job.abort)
                 self._on_done(tid, job.abort)
                 return
             self._push(client, job, deadline)
+            if job.end:  # its Push carried seal=True
+                self._on_done(tid, None)
         except TransferError as exc:
             self._fail(job, exc)
 
@@ -149,7 +151,8 @@ class PushSender:
         self._pace(nbytes)
         head = dict(transfer_id=job.transfer_id, num_layers=self.num_layers,
                     total_blocks=self.store.info(job.transfer_id).num_blocks, fingerprint=self.fingerprint,
-                    layers=job.layers, first_block=first, num_blocks=job.num_blocks, checksums=job.checksums)
+                    layers=job.layers, first_block=first, num_blocks=job.num_blocks, checksums=job.checksums,
+                    seal=job.end)
         try:
             with self.store.pinned_views(job.transfer_id, job.layers, unsealed=True) as pv:
                 if self._nixl is not None:

@@ -13,7 +13,8 @@ Version history:
       failing later on an unknown data_path. Status/StatusReply: store occupancy for operators
       and leak checks.
   3 - push: the producer streams layer groups into the consumer's landing store (Push, each
-      answered by Ack) and ends with PushEnd (seal, or abort with a cause). Push data_path
+      answered by Ack) and ends with PushEnd (seal, or abort with a cause), or with a last Push
+      that carries seal=True (one round trip less on the critical path). Push data_path
       "inline" sends the bytes after the frame; "nixl" names arena offsets the landing side READs.
       Locate/LocateReply: which tier holds an entry's slots (vLLM's cache-hit source, host/disk).
 """
@@ -123,6 +124,7 @@ class Push(msgspec.Struct, tag=True):
     offsets: list[int] | None = None      # nixl: sender arena offset per (layer, block)
     nixl_agent_meta: bytes | None = None  # nixl: the sender agent's metadata (first Push per connection)
     nixl_base_address: int = 0
+    seal: bool = False                    # the transfer's last Push: seal after landing it (no PushEnd)
 
 
 class PushEnd(msgspec.Struct, tag=True):

@@ -279,3 +279,16 @@ def test_pushing_slots_staged_on_nvme_goes_inline_from_disk(tmp_path) -> None:
         assert p.sender.flush(5) and p.done == {"disk": None}
     finally:
         p.close()
+
+
+def test_the_last_group_can_seal_the_landing_copy_itself(pair) -> None:
+    """No separate PushEnd round trip: the last Push carries seal=True."""
+    data = np.random.default_rng(5).integers(0, 256, (LAYERS, BLOCKS, SLOT), dtype=np.uint8)
+    pair.src.create("s", LAYERS, BLOCKS)
+    for layer in range(LAYERS):
+        pair.src.write("s", layer, 0, data[layer])
+    sums = lambda ls: [xxhash.xxh3_64_intdigest(data[l, b]) for l in ls for b in range(BLOCKS)]  # noqa: E731
+    pair.sender.submit(PushJob("s", pair.target, [0, 1], 0, BLOCKS, sums([0, 1])))
+    pair.sender.submit(PushJob("s", pair.target, [2, 3], 0, BLOCKS, sums([2, 3]), end=True))
+    assert np.array_equal(landed(pair, "s"), data)
+    assert pair.sender.flush(5) and pair.done == {"s": None} and pair.sender.pushes == 2
