@@ -4,8 +4,10 @@
     kvconnectors bench tiers --bytes 256MiB
     kvconnectors bench e2e
     kvconnectors bench proxy --requests 200
+    kvconnectors bench layerwise --preset 8b --tokens 2000 --group 4
 
-Each benchmark module also runs on its own: `python -m benchmarks.transfer`, `python -m benchmarks.tiers`.
+Each benchmark module also runs on its own: `python -m benchmarks.transfer`, `python -m benchmarks.tiers`,
+`python -m benchmarks.layerwise`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tiers": ("benchmarks.tiers", "The store's spill/restore GB/s beside raw O_DIRECT writes/reads of the same bytes."),
     "e2e": ("benchmarks.e2e", "Streaming users while long prompts arrive: colocated, chunked, TieredConnector, NIXL."),
     "proxy": ("benchmarks.proxy_overhead", "Latency the P/D proxy adds, beside the same requests done by hand."),
+    "layerwise": ("benchmarks.layerwise",
+                  "TTFT of a pushed prompt: prefill alone, bulk and layer-wise over emulated links; short-prompt "
+                  "crossover."),
 }
 
 

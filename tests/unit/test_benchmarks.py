@@ -84,6 +84,37 @@ def test_tiers_smoke(tmp_path):
     assert not list((tmp_path / "disk").iterdir()), "the temporary tier files were not removed"
 
 
+@pytest.mark.timeout(60)
+def test_tiers_sides_measure_the_same_bytes_mode_and_memory(tmp_path):
+    result = tiers.run_tiers(nbytes=1 << 20, preset="tiny", block_tokens=16, entry_tokens=64, rounds=1, warmup=0,
+                             directory=str(tmp_path / "disk"), out=str(tmp_path / "out"), show_progress=False,
+                             quiet=True)
+    fair = result["fairness"]
+    assert fair["ok"] and fair["same_bytes"] and fair["same_io_mode"], fair["problems"]
+    assert fair["same_memory"] in (True, None), fair["problems"]
+    for row in result["rounds"]:  # every byte the store spilled / restored, the raw side wrote / read
+        assert row["spill_bytes"] == row["restore_bytes"] == row["raw_bytes"] == result["config"]["bytes_per_phase"]
+    raw_mode = "direct" if result["io_mode"]["raw"]["direct"] else "buffered"
+    assert set(result["io_mode"]["store"].values()) == {raw_mode}
+    assert all(c["valid"] is True for c in result["comparisons"])
+    # the check catches each kind of mismatch, and a mismatch voids the verdict
+    row = {"round": 0, "spill_bytes": 8192, "restore_bytes": 8192, "raw_bytes": 8192}
+    assert tiers.fairness([row], {"d": "direct"}, {"direct": True})["ok"]
+    bad = tiers.fairness([dict(row, spill_bytes=4096)], {"d": "direct"}, {"direct": True})
+    assert not bad["ok"] and not bad["same_bytes"]
+    bad = tiers.fairness([row], {"d": "buffered"}, {"direct": True})
+    assert not bad["ok"] and not bad["same_io_mode"] and bad["same_bytes"]
+    mem = {"store_arena": {"kind": "private", "thp_hint": True}, "raw_buffer": {"kind": "shared", "thp_hint": True}}
+    assert tiers.fairness([row], {"d": "direct"}, {"direct": True}, mem)["same_memory"] is False
+    # the raw buffer is private anonymous memory like the store's arena (not MAP_SHARED shmem: 4 KiB pages)
+    m, a = tiers._aligned(1 << 20)
+    backing = tiers.memory_backing(a.ctypes.data, a.nbytes)
+    if backing is not None:
+        assert backing["kind"] == "private", backing
+    del a
+    m.close()
+
+
 def test_cli_help_exits_zero(capsys):
     from kvconnectors.cli import main
 
@@ -163,3 +194,90 @@ def test_proxy_overhead_cli_help(capsys):
         main(["bench", "proxy", "--help"])
     assert exc.value.code == 0
     assert "--fake-upstreams" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------
+# layer-wise pipelined transfer (real push path over loopback, emulated links; no engine)
+
+
+@pytest.mark.timeout(60)
+def test_layerwise_smoke(tmp_path):
+    from benchmarks import layerwise
+
+    result = layerwise.run_layerwise(preset="8b", layers=4, tokens=64, block_tokens=16, group=2,
+                                     links="ib200,25gbe", reps=1, time_scale=20, short_tokens=[16, 64], short_reps=1,
+                                     out=str(tmp_path), show_progress=False, quiet=True)
+    on_disk = json.loads(open(result["files"]["json"]).read())
+    assert on_disk["benchmark"] == "layerwise"
+    assert {"config", "host", "loopback", "scaling", "links", "targets", "short_prompts", "prefill_alone_s",
+            "files"} <= set(on_disk)
+    cfg, sc = on_disk["config"], on_disk["scaling"]
+    assert (cfg["layers"], cfg["blocks"], cfg["group"], cfg["n_groups"], cfg["slot_bytes"]) == (4, 4, 2, 2, 65536)
+    assert cfg["time_scale"] == 20 and cfg["byte_scale"] >= 1 and not on_disk["errors"]
+    assert sc["slot_bytes_emulated"] * cfg["byte_scale"] == pytest.approx(cfg["slot_bytes"])
+    assert on_disk["loopback"]["bytes_per_s"] > 0
+    layer_s = sc["layer_compute_s_emulated"]
+    assert layer_s == pytest.approx(cfg["layer_compute_ms"] / 1e3 * 20)
+    (prefill,) = on_disk["prefill_alone_s"]
+    assert 4 * layer_s * 0.95 <= prefill <= 4 * layer_s + 0.1  # sleeps to absolute deadlines: no drift
+    pushed = 4 * 4 * sc["slot_bytes_emulated"]
+    assert list(on_disk["links"]) == ["ib200", "25gbe"]
+    for name, s in on_disk["links"].items():
+        assert s["status"] == "ok" and s["verified"] is True, (name, s["reason"])
+        em, ms = s["emulated_s"], s["real_ms"]
+        for mode, messages in (("bulk", 1), ("layerwise", 2)):
+            (run,) = s["runs"][mode]
+            assert run["verified"] is True and run["pushes"] == messages and run["bytes_pushed"] == pushed, name
+            assert run["ttft_s"] >= run["landed_s"] >= run["sealed_s"] >= run["compute_s"] > 0
+            assert run["ttft_s"] >= prefill * 0.95
+        assert em["transfer"] == pytest.approx(cfg["total_bytes"] / s["rate_bytes_per_s"] * 20)
+        assert em["one_group"] == pytest.approx(em["transfer"] / 2)
+        assert s["rate_bytes_per_s_emulated"] == pytest.approx(s["rate_bytes_per_s"] / (20 * cfg["byte_scale"]))
+        assert ms["bulk"] == pytest.approx(em["bulk"] / 20 * 1e3)
+        assert em["overhead"] == pytest.approx(em["layerwise"] - max(em["prefill_alone"], em["transfer"]))
+        assert isinstance(s["met_overhead"], bool)
+        assert s["link_bound"] == (em["transfer_per_layer"] > em["compute_per_layer"])
+        assert (s["met_max_plus_group"] is None) != s["link_bound"]
+    sp = on_disk["short_prompts"]
+    assert [r["tokens"] for r in sp["rows"]] == [16, 64]
+    for r in sp["rows"]:
+        assert r["verified"] is True and r["pushes"] == {"bulk": 1, "layerwise": 2}
+        assert r["bytes"] == 4 * r["blocks"] * 65536 and r["bulk_s"] > 0 and r["layerwise_s"] > 0
+    assert sp["crossover_tokens"] in (None, 16, 64)
+    assert isinstance(sp["configured_layerwise_min_tokens"], int)
+    _png(result["files"]["png"])
+    text = layerwise.render(result)
+    assert "25gbe" in text and "crossover" in text and "layerwise_min_tokens" in text
+
+
+def test_layerwise_arguments():
+    from benchmarks import layerwise
+
+    assert [lk.name for lk in layerwise.parse_links("all")] == ["nvlink", "ib200", "100gbe", "25gbe"]
+    assert layerwise.parse_links("none") == []
+    custom = layerwise.parse_links("nvlink,10gbe=10")
+    assert custom[0].bytes_per_s == 450e9 and custom[1].bytes_per_s == 1.25e9
+    for bad in ("warp", "x=0", "x=fast", "ib200,ib200"):
+        with pytest.raises(ValueError):
+            layerwise.parse_links(bad)
+    assert layerwise.parse_tokens("64,16,16") == [16, 64] and layerwise.parse_tokens("none") == []
+    with pytest.raises(ValueError):
+        layerwise.parse_tokens("0")
+    for kwargs in ({"group": 5, "layers": 4}, {"preset": "405b"}, {"layers": 33}, {"time_scale": 0.5}):
+        with pytest.raises(ValueError):
+            layerwise.run_layerwise(**kwargs, quiet=True, show_progress=False)
+    cal = layerwise.Calibration("8b", layerwise.planner.MODELS["llama-8b"], layerwise.planner.GPUS["h100-sxm"], 0.4,
+                                2000, 16, 32, 4)
+    assert cal.s_per_token * 1e6 == pytest.approx(40.4, rel=0.01)  # 2 x 8e9 / (989e12 x 0.4)
+    assert cal.layer_compute_s * 1e3 == pytest.approx(2.53, rel=0.01)
+    assert (cal.slot_bytes, cal.blocks, cal.total_bytes) == (65536, 125, 32 * 125 * 65536)
+
+
+def test_layerwise_cli_help(capsys):
+    from kvconnectors.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "layerwise", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--group" in out and "--time-scale" in out and "--short-tokens" in out and "layer-wise" in out

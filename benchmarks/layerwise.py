@@ -1,0 +1,920 @@
+"""Layer-wise pipelined transfer benchmark: TTFT of one pushed prompt with the prefill alone, with bulk
+transfer (every layer in one message after the last layer) and with layer-wise transfer (a message
+per group of layers, sent while the later layers compute), side by side in one run, over emulated
+links (NVLink, 200 Gb InfiniBand, 100 GbE, 25 GbE), plus a short-prompt section on plain loopback
+that shows where layer-wise stops costing more than bulk (the `layerwise_min_tokens` threshold).
+
+What runs is the connector's real push path, in one process, with no vLLM: a producer TieredStore,
+a stager thread that gathers each layer's blocks out of a "KV cache" array, writes them into the
+store and computes their xxh3 checksums (as worker.py does after every attention layer), a
+PushSender that streams PushJobs over TCP loopback to a consumer StoreServer whose Landing lands,
+verifies and seals them, and the consumer's copy of the sealed blocks into its own KV cache blocks
+(as worker.py's _load_landed does). Layer-wise: every --group layers the stager submits a PushJob
+of those layers, the rest after the last layer in a last Push that also seals the landing copy.
+Bulk: one sealing Push of all layers after the last layer.
+
+  prefill alone   the forward pass only: layers x per-layer compute
+  bulk TTFT       prefill start -> consumer's Landing.wait returns (sealed) -> copied into its KV
+                  cache blocks; one message after the last layer
+  layer-wise      the same, one message per layer group while later layers compute
+
+Calibration (from kvconnectors.planner, the same presets the planner uses). Per-layer compute =
+tokens x 2 x params / (GPU dense peak x MFU) / layers: the 8B preset on an H100 at 40% MFU is
+40.4 us per token, so 2,000 tokens take 81 ms, 2.5 ms per layer. The per-layer compute is a
+time.sleep to an absolute deadline (a GPU computes while the CPU is free; jitter does not add up).
+KV bytes per layer = tokens x 2 (K, V) x KV heads x head dim x dtype bytes (8B: 4 KiB per token per
+layer, 128 KiB per token), in whole blocks of --block-tokens.
+
+Scaling ("scaled down proportionally"). This host cannot emulate NVLink at 450 GB/s on loopback, so
+time runs S times slower and bytes are D times fewer: one emulated layer sleeps S x its real compute,
+each (layer, block) slot carries slot/D bytes (the same number of blocks, layers and messages), and
+each link runs at real rate / (S x D) through PushSender's link_bytes_per_s pacing (a group's bytes
+arrive when the emulated link would have carried them; jobs queue behind each other). Every
+compute and transfer time is then exactly S x its real value, so times are reported in emulated
+seconds and converted back to real ms (/ S). S (--time-scale) defaults to the value that makes one
+emulated layer ~25 ms; D (--byte-scale) defaults to the smallest power of two that keeps the fastest
+emulated link at or below 1/--link-headroom of what the push path really sustains on loopback here
+(measured unpaced at the start). What does not scale: fixed software costs per message (framing,
+the Ack round trip, thread wake-ups) and the consumer's copy are real time, so in "real ms" they
+appear S times smaller than they are; the short-prompt section measures them unscaled.
+
+Per link it reports: transfer total X and one group's transfer Xg (the emulated link's nominal
+time for those bytes), prefill alone P (measured), bulk and layer-wise TTFT (median over --reps),
+the pipeline model max(P + Xg, X + P x group/layers) of kvconnectors.planner (Xg = X x
+group/layers), and the targets of issue #3:
+  - overhead on the critical path = TTFT_layerwise - max(P, X) <= 1.5 x Xg;
+  - where transfer per layer exceeds compute per layer (X > P): TTFT_layerwise ~ max(P, X) + Xg
+    (ratio <= 1.1), not their sum (bulk / (max + Xg) shows the sum).
+The consumer's copy out of the landing store is inside every TTFT (bulk and layer-wise alike).
+
+Short-prompt section (no link emulation, S = D = 1, real slot sizes, plain loopback): bulk and
+layer-wise TTFT for prompts of --short-tokens tokens with zero compute by default (the case most
+unfavourable to layer-wise: nothing to hide its transfer behind, so only its per-group cost shows;
+--short-us-per-token calibrated adds the real per-layer compute). Bulk and layer-wise run back to
+back in each repetition; their ratio is taken per repetition and the median reported. The
+crossover is the shortest prompt from which layer-wise stays within --crossover-tolerance (5%) of
+bulk at every longer measured length: below it the per-group messages (Push + Ack each) cost a
+visible share of TTFT. It is the measurement behind the connector's layerwise_min_tokens default.
+Producer and consumer share one process here (one GIL, this host's cores): with layer-wise their
+work overlaps and contends, which a real producer/consumer pair on two hosts does not, so the
+crossover measured here is an upper bound.
+
+The landed bytes are verified byte-exact against what was staged once per configuration (the first
+repetition), for every link, mode and short-prompt length. Run order: every repetition measures
+the prefill alone, then each link (order rotated per repetition) in bulk and layer-wise (order
+alternating), so drift on a shared box hits all alike; each link's sender first pushes an untimed
+one-block transfer (connection set-up).
+
+Usage:  python -m benchmarks.layerwise                       (8B, 2,000 tokens, all links)
+        kvconnectors bench layerwise --preset 70b --links ib200,25gbe --reps 2
+        kvconnectors bench layerwise --links nvlink,10gbe=10 --group 2 --no-short
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import secrets
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from benchmarks.common import (DEFAULT_OUT, HelpFormatter, description, host_info, out_dir, progress, setup_env,
+                               table, write_json)
+
+setup_env()  # harmless here (no NIXL on this path), but keeps UCX sane if a store server ever loads it
+
+import numpy as np  # noqa: E402
+import xxhash  # noqa: E402
+
+from kvconnectors import planner  # noqa: E402
+
+FP = "kvc-bench-layerwise"
+TIMEOUT_S = 120.0
+TARGET_OVERHEAD_GROUPS = 1.5      # issue #3: overhead on the critical path <= 1.5 x one group's transfer
+TARGET_MAX_PLUS_GROUP = 1.1       # where X > P: TTFT_layerwise <= 1.1 x (max(P, X) + one group)
+LAYER_TARGET_S = 0.025            # auto time scale: one emulated layer computes ~25 ms
+PROBE_BYTES = 32 << 20            # loopback probe: one bulk push of about this many bytes
+MIN_EMULATED_SLOT = 64            # bytes per emulated (layer, block) slot, at least
+DEFAULT_SHORT_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+MODEL_PRESETS = {"8b": "llama-8b", "70b": "llama-70b"}   # -> kvconnectors.planner.MODELS
+MODE_COLOR = {"prefill alone": "#9e9e9e", "bulk": "#ff7f0e", "layer-wise": "#1f77b4"}
+
+
+# ============================================================================== calibration
+@dataclass(frozen=True)
+class Calibration:
+    preset: str
+    model: planner.ModelSpec
+    gpu: planner.GPUSpec
+    mfu: float
+    tokens: int
+    block_tokens: int
+    layers: int              # layers emulated (the model's, unless overridden)
+    group: int
+
+    @property
+    def s_per_token(self) -> float:
+        return planner.prefill_s_per_token(self.model, self.gpu, self.mfu)
+
+    @property
+    def layer_compute_s(self) -> float:
+        """Real compute of one layer for this prompt (the model's per-token cost spread over its layers)."""
+        return self.tokens * self.s_per_token / self.model.layers
+
+    @property
+    def token_bytes_per_layer(self) -> int:
+        return self.model.kv_bytes_per_token // self.model.layers
+
+    @property
+    def blocks(self) -> int:
+        return math.ceil(self.tokens / self.block_tokens)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.token_bytes_per_layer * self.block_tokens
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.blocks * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layers * self.layer_bytes
+
+    def describe(self) -> dict[str, Any]:
+        return {"preset": self.preset, "model": self.model.name, "params": self.model.params,
+                "model_layers": self.model.layers, "layers": self.layers, "gpu": self.gpu.name,
+                "gpu_peak_tflops": self.gpu.peak_tflops, "mfu": self.mfu, "tokens": self.tokens,
+                "block_tokens": self.block_tokens, "blocks": self.blocks, "group": self.group,
+                "us_per_token": self.s_per_token * 1e6, "layer_compute_ms": self.layer_compute_s * 1e3,
+                "prefill_ms": self.layers * self.layer_compute_s * 1e3,
+                "kv_bytes_per_token": self.model.kv_bytes_per_token, "slot_bytes": self.slot_bytes,
+                "layer_bytes": self.layer_bytes, "total_bytes": self.total_bytes}
+
+
+def parse_links(text: str | Sequence[str]) -> list[planner.LinkSpec]:
+    """'all', or names of kvconnectors.planner.LINKS, or NAME=GBIT for a custom line rate in Gbit/s."""
+    items = [s.strip() for s in (text.split(",") if isinstance(text, str) else text) if s.strip()]
+    if not items or items == ["all"]:
+        return list(planner.LINKS.values())
+    if items == ["none"]:
+        return []
+    out: list[planner.LinkSpec] = []
+    for item in items:
+        name, eq, rate = item.partition("=")
+        if eq:
+            try:
+                out.append(planner.LinkSpec(name.strip(), float(rate)))
+            except Exception as exc:  # float() or LinkSpec's ConfigError
+                raise ValueError(f"link {item!r}: expected NAME=GBIT with a rate in Gbit/s > 0 ({exc})") from None
+        elif item in planner.LINKS:
+            out.append(planner.LINKS[item])
+        else:
+            raise ValueError(f"unknown link {item!r}; choose from {', '.join(planner.LINKS)} or NAME=GBIT")
+    if len({lk.name for lk in out}) != len(out):
+        raise ValueError("link names must be distinct")
+    return out
+
+
+def parse_tokens(text: str | Sequence[int]) -> list[int]:
+    if isinstance(text, str):
+        if text.strip().lower() in ("", "none"):
+            return []
+        try:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--short-tokens {text!r}: expected comma-separated token counts") from None
+    else:
+        vals = [int(x) for x in text]
+    if any(v < 1 for v in vals):
+        raise ValueError("prompt lengths must be >= 1 token")
+    return sorted(set(vals))
+
+
+def default_min_tokens() -> int | None:
+    """TieredConfig's layerwise_min_tokens default, read from its source: importing kvconnectors.tiered
+    imports vLLM (seconds), which this benchmark does not need."""
+    import ast
+
+    try:
+        src = (Path(__file__).resolve().parents[1] / "kvconnectors" / "tiered" / "config.py").read_text()
+        for node in ast.walk(ast.parse(src)):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and node.target.id == "layerwise_min_tokens" and isinstance(node.value, ast.Constant)):
+                return int(node.value.value)
+    except (OSError, SyntaxError, ValueError, TypeError):  # informational only
+        pass
+    return None
+
+
+# ============================================================================== the push path under test
+class Payload:
+    """The producer's and the consumer's "KV cache": one [cache_blocks, slot] array per layer, and the
+    (random, non-contiguous) block ids a request's blocks sit at on each side."""
+
+    def __init__(self, layers: int, blocks: int, slot: int, seed: int):
+        rng = np.random.default_rng(seed)
+        n = layers * blocks * slot
+        words = rng.integers(0, 2**63, (n + 7) // 8, dtype=np.uint64)  # 8 random bytes at a time: fast
+        self.src = words.view(np.uint8)[:n].reshape(layers, blocks, slot)
+        self.dst = np.zeros_like(self.src)
+        self.src_ids = rng.permutation(blocks)
+        self.dst_ids = rng.permutation(blocks)
+        self.stamp = 0
+
+    def prepare_check(self, n: int) -> None:
+        """Before a verified run: a fresh stamp in every source slot, a cleared destination."""
+        self.stamp += 1
+        self.src[:, self.src_ids[:n], :8] = np.frombuffer(self.stamp.to_bytes(8, "little"), dtype=np.uint8)
+        self.dst[:] = 0
+
+    def check(self, n: int) -> None:
+        want = self.src[:, self.src_ids[:n]]
+        got = self.dst[:, self.dst_ids[:n]]
+        if not np.array_equal(got, want):
+            bad = np.argwhere((got != want).any(axis=2))[0]
+            raise AssertionError(f"landed KV differs from the staged KV at layer {bad[0]}, block {bad[1]}")
+        others = np.ones(self.dst.shape[1], bool)
+        others[self.dst_ids[:n]] = False
+        if self.dst[:, others].any():
+            raise AssertionError("the consumer copy wrote outside the request's blocks")
+
+
+class Rig:
+    """Producer store + stager thread + push senders (one per emulated link) -> consumer landing
+    store served by a StoreServer with a Landing: tests/unit/test_push.py's Pair, as the connector
+    wires it. Everything is closed by close(), also after a failure half-way through __init__."""
+
+    def __init__(self, layers: int, slot: int, entry_slots: int, entries: float, tag: str):
+        from kvconnectors.store import StoreConfig, TieredStore
+        from kvconnectors.transport import wire
+        from kvconnectors.transport.landing import Landing
+        from kvconnectors.transport.server import StoreServer
+
+        self.layers, self.slot = layers, slot
+        self.compat = wire.compat_hash("bench-layerwise")
+        self.errors: dict[str, Any] = {}
+        self.senders: dict[str, Any] = {}
+        self._stack = contextlib.ExitStack()
+        try:
+            dram = max(math.ceil(entries * entry_slots), 4) * slot  # runs go one at a time
+            self.src = TieredStore(StoreConfig(slot_bytes=slot, dram_bytes=dram, lease_ttl_s=600,
+                                               instance_name=f"benchlw{tag}src"))
+            self._stack.callback(self.src.close)
+            self.dst = TieredStore(StoreConfig(slot_bytes=slot, dram_bytes=dram, lease_ttl_s=600,
+                                               instance_name=f"benchlw{tag}dst"))
+            self._stack.callback(self.dst.close)
+            self.landing = Landing(self.dst, fingerprint=FP, num_layers=layers)
+            self._stack.callback(self.landing.close)
+            self.server = StoreServer(self.dst, "127.0.0.1", 0, fingerprint=FP, num_layers=layers,
+                                      compat=self.compat, landing=self.landing)
+            self._stack.callback(self.server.close)
+            self.target = ("127.0.0.1", self.server.port)
+            self.stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-stager")
+            self._stack.callback(self.stager.shutdown, wait=True)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def sender(self, name: str, link_bytes_per_s: float | None):
+        """A PushSender for one (emulated) link, created once; closed with the rig."""
+        if name not in self.senders:
+            from kvconnectors.transport.client import StoreClient
+            from kvconnectors.transport.push import PushSender
+
+            s = PushSender(self.src, fingerprint=FP, num_layers=self.layers, timeout_s=TIMEOUT_S,
+                           client_factory=lambda h, p: StoreClient(h, p, compat=self.compat, connect_timeout_s=5),
+                           on_done=self._on_done, link_bytes_per_s=link_bytes_per_s)
+            self._stack.callback(s.close)  # LIFO: senders close before the server and stores
+            self.senders[name] = s
+        return self.senders[name]
+
+    def _on_done(self, tid: str, err: Any) -> None:
+        """Push sender thread: as worker.py's _push_done, the producer lets go once the push landed."""
+        self.errors[tid] = err
+        if err is None:
+            with contextlib.suppress(Exception):
+                self.src.release(tid)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def compute_only(layers: int, layer_s: float) -> float:
+    t0 = time.perf_counter()
+    for layer in range(layers):
+        _sleep_until(t0 + (layer + 1) * layer_s)
+    return time.perf_counter() - t0
+
+
+def _sleep_until(t: float) -> None:
+    left = t - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float, group: int | None,
+                check: bool = False) -> dict[str, Any]:
+    """One prompt through the push path: per layer compute (sleep), then the stager copies the layer's
+    blocks into the producer store and checksums them; layer-wise (group set) submits a PushJob every
+    `group` layers from the stager, bulk (group None) one PushJob of all layers after the last; then
+    the last Push seals the landing copy; the consumer waits for the seal and copies the blocks into its KV cache.
+    Returns timestamps relative to prefill start (seconds)."""
+    from kvconnectors.transport.push import PushJob
+
+    layers, slot = rig.layers, rig.slot
+    tid = f"lw-{secrets.token_hex(6)}"
+    if check:
+        kv.prepare_check(blocks)
+    sids, dids = kv.src_ids[:blocks], kv.dst_ids[:blocks]
+    sums = np.zeros((layers, blocks), np.uint64)
+    pending: list[int] = []
+    submits: list[float] = []
+    lock = threading.Lock()
+    pushes0, bytes0 = sender.pushes, sender.bytes_pushed
+
+    def push_pending(end: bool = False) -> None:
+        with lock:
+            group_layers = pending[:]
+            pending.clear()
+        if not group_layers:
+            if end:
+                sender.submit(PushJob(tid, rig.target, end=True))
+            return
+        checksums = np.concatenate([sums[layer] for layer in group_layers]).tolist()
+        sender.submit(PushJob(tid, rig.target, group_layers, 0, blocks, checksums, end=end))
+        submits.append(time.perf_counter() - t0)
+
+    def stage(layer: int) -> None:  # the stager thread: worker.py's _stage_spec
+        if layer == 0:
+            rig.src.create(tid, layers, blocks)
+        data = kv.src[layer][sids]  # one gather copy of whole blocks
+        rig.src.write(tid, layer, 0, data)
+        row_sums = sums[layer]
+        for i, row in enumerate(data):
+            row_sums[i] = xxhash.xxh3_64_intdigest(row)
+        with lock:
+            pending.append(layer)
+            full = group is not None and len(pending) >= group
+        if full:
+            push_pending()
+
+    t0 = time.perf_counter()
+    futures = []
+    ended = False
+    try:
+        for layer in range(layers):
+            if layer_s > 0:
+                _sleep_until(t0 + (layer + 1) * layer_s)
+            futures.append(rig.stager.submit(stage, layer))
+        t_compute = time.perf_counter() - t0
+        for f in futures:  # wait_for_save: every staged byte is in the producer store
+            f.result()
+        rig.src.seal(tid, {"xxh3": sums.reshape(-1).tolist()})
+        push_pending(end=True)  # the last group (bulk: every layer), sealing the landing copy
+        ended = True
+        t_sealed = time.perf_counter() - t0
+        now = time.monotonic()
+        rig.landing.wait(tid, now + TIMEOUT_S, now + TIMEOUT_S)
+        t_landed = time.perf_counter() - t0
+        with rig.dst.pinned_views(tid) as pv:  # worker.py's _load_landed: runs into the KV cache blocks
+            for layer in range(layers):
+                dst, start = kv.dst[layer], 0
+                for run in pv.run_views(layer, 0, blocks):
+                    rows = np.frombuffer(run, dtype=np.uint8).reshape(-1, slot)
+                    dst[dids[start:start + len(rows)]] = rows
+                    start += len(rows)
+        t_end = time.perf_counter() - t0
+    finally:
+        for f in futures:
+            f.cancel()
+        if not ended:  # as the connector's _fail_staging: tell the landing side now
+            from kvconnectors.errors import FailureCause, TransferError
+
+            for f in futures:  # let a running stage finish before the abort is queued
+                with contextlib.suppress(Exception):
+                    f.exception()
+            sender.submit(PushJob(tid, rig.target, abort=TransferError(FailureCause.PROTOCOL, "benchmark run failed")))
+        rig.landing.forget(tid)
+        with contextlib.suppress(Exception):
+            rig.dst.release(tid)
+        if not sender.flush(TIMEOUT_S):
+            raise TimeoutError(f"push of {tid} did not finish within {TIMEOUT_S:.0f} s")
+        err = rig.errors.pop(tid, None)
+        with contextlib.suppress(Exception):
+            rig.src.release(tid)  # normally released by the on_done callback already
+    if err is not None:
+        raise RuntimeError(f"push of {tid} failed: {err}")
+    if check:
+        kv.check(blocks)
+    return {"ttft_s": t_end, "compute_s": t_compute, "sealed_s": t_sealed, "landed_s": t_landed,
+            "copy_s": t_end - t_landed, "first_submit_s": submits[0] if submits else None,
+            "last_submit_s": submits[-1] if submits else None, "pushes": sender.pushes - pushes0,
+            "bytes_pushed": sender.bytes_pushed - bytes0, "verified": check}
+
+
+# ============================================================================== driver
+def _median(xs: Sequence[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return float(np.median(xs)) if xs else None
+
+
+def run_layerwise(preset: str = "8b", tokens: int = 2000, block_tokens: int = 16, group: int = 4,
+                  links: str | Sequence[str] = "all", gpu: str = "h100-sxm", mfu: float | None = None,
+                  layers: int | None = None, time_scale: float | None = None, byte_scale: float | None = None,
+                  link_headroom: float = 3.0, reps: int = 3,
+                  short_tokens: str | Sequence[int] | None = DEFAULT_SHORT_TOKENS, short_reps: int = 11,
+                  short_us_per_token: float | str = 0.0, crossover_tolerance: float = 0.05,
+                  out: str | None = None, seed: int = 0,
+                  show_progress: bool = True, quiet: bool = False) -> dict[str, Any]:
+    """Run the benchmark; print the tables (unless quiet); write JSON + PNG; return the result dict."""
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(MODEL_PRESETS)}")
+    if gpu not in planner.GPUS:
+        raise ValueError(f"unknown gpu {gpu!r}; choose from {', '.join(planner.GPUS)}")
+    model = planner.MODELS[MODEL_PRESETS[preset]]
+    mfu = planner.Workload().mfu if mfu is None else mfu
+    layers = model.layers if layers is None else layers
+    if tokens < 1 or block_tokens < 1 or reps < 1 or short_reps < 1 or not 1 <= group:
+        raise ValueError("tokens, block-tokens, group, reps and short-reps must be >= 1")
+    if not 1 <= layers <= model.layers:
+        raise ValueError(f"layers must be in [1, {model.layers}] (the {preset} model has {model.layers})")
+    if group > layers:
+        raise ValueError(f"group {group} is larger than the {layers} layers")
+    if not 0 < mfu <= 1 or link_headroom < 1:
+        raise ValueError("mfu must be in (0, 1] and link-headroom >= 1")
+    if time_scale is not None and time_scale < 1 or byte_scale is not None and byte_scale < 1:
+        raise ValueError("time-scale and byte-scale must be >= 1")
+    link_specs = parse_links(links)
+    shorts = parse_tokens(short_tokens) if short_tokens is not None else []
+    cal = Calibration(preset, model, planner.GPUS[gpu], mfu, tokens, block_tokens, layers, group)
+    if short_us_per_token == "calibrated":
+        short_us = cal.s_per_token * 1e6
+    else:
+        short_us = float(short_us_per_token)
+        if short_us < 0:
+            raise ValueError("short-us-per-token must be >= 0 (or 'calibrated')")
+    S = float(time_scale) if time_scale is not None else max(1.0, float(round(LAYER_TARGET_S / cal.layer_compute_s)))
+
+    t_start = time.perf_counter()
+    n_groups = math.ceil(layers / group)
+    probe_blocks = max(1, min(cal.blocks, round(PROBE_BYTES / (layers * cal.slot_bytes))))
+    short_blocks = max([math.ceil(n / block_tokens) for n in shorts], default=0)
+    probe_reps = 3
+    total = (probe_reps + 1 + 2 * len(shorts) * short_reps + len(link_specs) + reps * (1 + 2 * len(link_specs)))
+    bar = progress(total, f"layerwise {preset} {tokens} tok", show_progress)
+    result: dict[str, Any] = {"benchmark": "layerwise"}
+    errors: list[str] = []
+    try:
+        # ---------------------------------------------------- 1. loopback probe + short prompts (real slots)
+        rig = Rig(layers, cal.slot_bytes, layers * max(probe_blocks, short_blocks), 1.25, tag="r")
+        kv = None
+        try:
+            sender = rig.sender("loopback", None)
+            kv = Payload(layers, max(probe_blocks, short_blocks), cal.slot_bytes, seed)
+            bar.set_postfix_str("loopback probe")
+            probe_runs = []
+            for r in range(probe_reps + 1):  # the first one warms up (connection) and verifies
+                run = push_prompt(rig, sender, kv, probe_blocks, 0.0, None, check=r == 0)
+                if r:
+                    probe_runs.append(run)
+                bar.update(1)
+            probe_bytes = layers * probe_blocks * cal.slot_bytes
+            probe_s = [x["landed_s"] - x["last_submit_s"] for x in probe_runs]
+            loopback_bps = probe_bytes / float(np.median(probe_s))
+            result["loopback"] = {"bytes": probe_bytes, "times_s": probe_s, "bytes_per_s": loopback_bps,
+                                  "what": "one unpaced bulk push: submit of the PushJob -> sealed on the landing side"}
+            result["short_prompts"] = _short_section(rig, sender, kv, shorts, short_reps, short_us, cal, bar,
+                                                     crossover_tolerance)
+        finally:
+            del kv
+            rig.close()
+
+        # ---------------------------------------------------- 2. emulated links (scaled slots and time)
+        fastest = max((lk.bytes_per_s for lk in link_specs), default=loopback_bps)
+        if byte_scale is None:
+            need = link_headroom * fastest / (S * loopback_bps)
+            D_req = 2 ** max(0, math.ceil(math.log2(max(need, 1.0))))
+        else:
+            D_req = byte_scale
+        slot_e = max(min(MIN_EMULATED_SLOT, cal.slot_bytes), int(cal.slot_bytes // D_req))
+        D = cal.slot_bytes / slot_e
+        notes = []
+        if D < D_req:
+            notes.append(f"byte scale capped at {D:g} (slots of at least {slot_e} B): the fastest emulated "
+                         f"link is above 1/{link_headroom:g} of loopback")
+        scaling = {"time_scale": S, "byte_scale": D, "byte_scale_requested": D_req, "link_headroom": link_headroom,
+                   "slot_bytes_emulated": slot_e, "layer_bytes_emulated": cal.blocks * slot_e,
+                   "total_bytes_emulated": layers * cal.blocks * slot_e,
+                   "layer_compute_s_emulated": cal.layer_compute_s * S,
+                   "fastest_link_vs_loopback": fastest / (S * D) / loopback_bps, "notes": notes}
+        result["scaling"] = scaling
+        layer_s = cal.layer_compute_s * S
+        rig = Rig(layers, slot_e, layers * cal.blocks, 3, tag="e")
+        kv = None
+        try:
+            kv = Payload(layers, cal.blocks, slot_e, seed + 1)
+            runs: dict[str, dict[str, list]] = {lk.name: {"bulk": [], "layerwise": []} for lk in link_specs}
+            status: dict[str, dict[str, Any]] = {lk.name: {"status": "ok", "reason": None, "verified": False}
+                                                 for lk in link_specs}
+            for link in link_specs:  # one sender per link (its pacing rate is fixed); connect untimed
+                bar.set_postfix_str(f"{link.name} warm-up")
+                try:
+                    push_prompt(rig, rig.sender(link.name, link.bytes_per_s / (S * D)), kv, 1, 0.0, group)
+                except Exception as exc:
+                    status[link.name].update(status="failed", reason=_describe(exc))
+                    errors.append(f"{link.name}: {_describe(exc)}")
+                bar.update(1)
+            prefill_alone: list[float] = []
+            for r in range(reps):
+                bar.set_postfix_str("prefill alone")
+                prefill_alone.append(compute_only(layers, layer_s))
+                bar.update(1)
+                k = r % max(1, len(link_specs))
+                for link in link_specs[k:] + link_specs[:k]:
+                    modes = ("bulk", "layerwise") if r % 2 == 0 else ("layerwise", "bulk")
+                    for mode in modes:
+                        bar.set_postfix_str(f"{link.name} {mode}")
+                        if status[link.name]["status"] == "ok":
+                            try:
+                                x = push_prompt(rig, rig.senders[link.name], kv, cal.blocks, layer_s,
+                                                group if mode == "layerwise" else None, check=r == 0)
+                                runs[link.name][mode].append(x)
+                            except Exception as exc:
+                                status[link.name].update(status="failed", reason=f"{mode}: {_describe(exc)}")
+                                errors.append(f"{link.name} {mode}: {_describe(exc)}")
+                        bar.update(1)
+                if r == 0:
+                    for link in link_specs:
+                        status[link.name]["verified"] = status[link.name]["status"] == "ok"
+        finally:
+            rig.close()
+    finally:
+        bar.close()
+
+    result.update(_link_results(cal, S, D, link_specs, runs, status, prefill_alone))
+    result["config"] = {**cal.describe(), "time_scale": S, "byte_scale": D, "reps": reps,
+                        "short_reps": short_reps, "seed": seed, "links": [lk.name for lk in link_specs],
+                        "n_groups": n_groups, "checksum": True, "transport": "tcp loopback (inline push)",
+                        "target_overhead_groups": TARGET_OVERHEAD_GROUPS,
+                        "target_max_plus_group": TARGET_MAX_PLUS_GROUP}
+    result["host"] = host_info()
+    result["errors"] = errors
+    result["wall_s"] = time.perf_counter() - t_start
+    d = out_dir(out)
+    stem = f"layerwise_{preset}_{tokens}tok_g{group}"
+    result["files"] = {"json": str(d / f"{stem}.json"), "png": str(d / f"{stem}.png")}
+    write_json(d / f"{stem}.json", result)
+    _plot(result, d / f"{stem}.png")
+    if not quiet:
+        print(render(result))
+    return result
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _short_section(rig: Rig, sender: Any, kv: Payload, shorts: list[int], reps: int, us_per_token: float,
+                   cal: Calibration, bar: Any, tolerance: float) -> dict[str, Any]:
+    layers = rig.layers
+    rows = []
+    for n in shorts:
+        blocks = math.ceil(n / cal.block_tokens)
+        layer_s = n * us_per_token * 1e-6 / cal.model.layers
+        times: dict[str, list[dict]] = {"bulk": [], "layerwise": []}
+        for r in range(reps):
+            for mode in (("bulk", "layerwise") if r % 2 == 0 else ("layerwise", "bulk")):
+                bar.set_postfix_str(f"short {n} tok {mode}")
+                times[mode].append(push_prompt(rig, sender, kv, blocks, layer_s,
+                                               cal.group if mode == "layerwise" else None, check=r == 0))
+                bar.update(1)
+        b = _median([x["ttft_s"] for x in times["bulk"]])
+        w = _median([x["ttft_s"] for x in times["layerwise"]])
+        paired = [x["ttft_s"] / y["ttft_s"] for x, y in zip(times["layerwise"], times["bulk"])]
+        rows.append({"tokens": n, "blocks": blocks, "bytes": layers * blocks * cal.slot_bytes,
+                     "prefill_s": layers * layer_s, "bulk_s": b, "layerwise_s": w, "delta_s": w - b,
+                     "ratio": _median(paired), "pushes": {m: times[m][0]["pushes"] for m in times},
+                     "copy_s": _median([x["copy_s"] for x in times["bulk"] + times["layerwise"]]),
+                     "bulk_times_s": [x["ttft_s"] for x in times["bulk"]],
+                     "layerwise_times_s": [x["ttft_s"] for x in times["layerwise"]],
+                     "verified": all(x["verified"] for x in (times["bulk"][0], times["layerwise"][0]))})
+    crossover = None
+    for i in range(len(rows)):
+        if all(r["ratio"] <= 1 + tolerance for r in rows[i:]):
+            crossover = rows[i]["tokens"]
+            break
+    return {"us_per_token": us_per_token, "reps": reps, "group": cal.group, "slot_bytes": cal.slot_bytes,
+            "rows": rows, "crossover_tokens": crossover, "crossover_tolerance": tolerance,
+            "crossover_rule": (f"shortest prompt from which layer-wise TTFT <= (1 + {tolerance:g}) x bulk TTFT at "
+                               "every measured length (median of the per-repetition layer-wise / bulk ratios; "
+                               "the two modes run back to back in each repetition)"),
+            "configured_layerwise_min_tokens": default_min_tokens()}
+
+
+def _link_results(cal: Calibration, S: float, D: float, link_specs: list[planner.LinkSpec],
+                  runs: dict[str, dict[str, list]], status: dict[str, dict], prefill_alone: list[float]
+                  ) -> dict[str, Any]:
+    P = _median(prefill_alone)
+    layers, group = cal.layers, cal.group
+    frac = group / layers
+    out_links: dict[str, Any] = {}
+    targets: list[dict[str, Any]] = []
+    for link in link_specs:
+        rate_e = link.bytes_per_s / (S * D)
+        X = cal.total_bytes / link.bytes_per_s * S        # = emulated bytes / emulated rate
+        Xg = X * frac
+        s = {**status[link.name], "gbps": link.gbps, "rate_bytes_per_s": link.bytes_per_s,
+             "rate_bytes_per_s_emulated": rate_e}
+        r = runs[link.name]
+        bulk = _median([x["ttft_s"] for x in r["bulk"]])
+        lw = _median([x["ttft_s"] for x in r["layerwise"]])
+        em: dict[str, Any] = {"prefill_alone": P, "transfer": X, "one_group": Xg,
+                              "transfer_per_layer": X / layers, "compute_per_layer": cal.layer_compute_s * S,
+                              "bulk": bulk, "layerwise": lw,
+                              "pipeline_model": max(P + Xg, X + P * frac) if P is not None else None,
+                              "bulk_model": P + X if P is not None else None,
+                              "copy": _median([x["copy_s"] for x in r["bulk"] + r["layerwise"]]),
+                              "compute_during_layerwise": _median([x["compute_s"] for x in r["layerwise"]])}
+        link_bound = X > cal.layer_compute_s * S * layers
+        if lw is not None and bulk is not None and P is not None:
+            m = max(P, X)
+            em["overhead"] = lw - m
+            em["saved_vs_bulk"] = bulk - lw
+            s["overhead_groups"] = (lw - m) / Xg
+            if em["copy"] is not None:  # the consumer's copy is in bulk too; without it, the pipeline's own cost
+                s["overhead_groups_excl_copy"] = (lw - em["copy"] - m) / Xg
+            s["layerwise_vs_max_plus_group"] = lw / (m + Xg)
+            s["bulk_vs_max_plus_group"] = bulk / (m + Xg)
+            s["bulk_vs_sum"] = bulk / (P + X)
+            s["met_overhead"] = s["overhead_groups"] <= TARGET_OVERHEAD_GROUPS
+            s["met_max_plus_group"] = (s["layerwise_vs_max_plus_group"] <= TARGET_MAX_PLUS_GROUP) if link_bound else None
+        s["link_bound"] = link_bound
+        s["emulated_s"] = em
+        s["real_ms"] = {k: (v / S * 1e3 if v is not None else None) for k, v in em.items()}
+        s["runs"] = r
+        out_links[link.name] = s
+        targets.append({"link": link.name, "link_bound": link_bound, "overhead_groups": s.get("overhead_groups"),
+                        "met_overhead": s.get("met_overhead"), "met_max_plus_group": s.get("met_max_plus_group")})
+    return {"prefill_alone_s": prefill_alone, "links": out_links, "targets": targets}
+
+
+# ============================================================================== output
+def _verdict(met: bool | None) -> str:
+    return "-" if met is None else ("met" if met else "MISSED")
+
+
+def render(result: dict[str, Any]) -> str:
+    c, sc, lb = result["config"], result["scaling"], result["loopback"]
+    S = c["time_scale"]
+    head = [
+        f"layerwise: preset {c['preset']} ({c['model']}, {c['layers']} layers"
+        + (f" of {c['model_layers']}" if c["layers"] != c["model_layers"] else "")
+        + f", {c['kv_bytes_per_token'] // 1024} KiB/token), {c['tokens']} tokens = {c['blocks']} blocks of "
+          f"{c['block_tokens']}, groups of {c['group']} layers ({c['n_groups']} messages layer-wise)",
+        f"calibration: {c['gpu']} {c['gpu_peak_tflops']:g} TFLOP/s x MFU {c['mfu']:g} -> {c['us_per_token']:.1f} "
+        f"us/token: prefill {c['prefill_ms']:.1f} ms = {c['layer_compute_ms']:.2f} ms/layer; KV "
+        f"{c['layer_bytes'] / 2**20:.2f} MiB/layer, {c['total_bytes'] / 2**20:.1f} MiB in all",
+        f"scaling: time x{S:g} (one emulated layer computes {sc['layer_compute_s_emulated'] * 1e3:.1f} ms), bytes "
+        f"/{c['byte_scale']:g} (slot {c['slot_bytes']} -> {sc['slot_bytes_emulated']} B, "
+        f"{sc['total_bytes_emulated'] / 2**20:.2f} MiB per prompt); loopback push path "
+        f"{lb['bytes_per_s'] / 1e9:.2f} GB/s unpaced, fastest emulated link at "
+        f"{sc['fastest_link_vs_loopback']:.2f} of it",
+        f"{c['reps']} repetitions (median); checksums on; TTFT includes the consumer's copy out of the "
+        f"landing store. Times in real ms (= emulated / {S:g}).",
+    ] + [f"note: {n}" for n in sc["notes"]]
+    rows1, rows2 = [], []
+    for name, s in result["links"].items():
+        ms, em = s["real_ms"], s["emulated_s"]
+        if s["status"] != "ok":
+            rows1.append([name, s["gbps"], None, None, None, None, None, None, None, "-", s["verified"]])
+            rows2.append([name, "-", None, None, None, None, "-", None, None, "-", f"FAILED: {s['reason']}"])
+            continue
+        rows1.append([name, s["gbps"], ms["transfer"], ms["one_group"], ms["prefill_alone"], ms["bulk"],
+                      ms["layerwise"], ms["pipeline_model"], ms["saved_vs_bulk"],
+                      f"{em['prefill_alone']:.2f} / {em['bulk']:.2f} / {em['layerwise']:.2f}", s["verified"]])
+        rows2.append([name, f"{ms['transfer_per_layer']:.2f} {'>' if s['link_bound'] else '<='} "
+                            f"{ms['compute_per_layer']:.2f}",
+                      ms["overhead"], s["overhead_groups"], ms["copy"], s.get("overhead_groups_excl_copy"),
+                      _verdict(s.get("met_overhead")),
+                      s["layerwise_vs_max_plus_group"] if s["link_bound"] else None,
+                      s["bulk_vs_max_plus_group"] if s["link_bound"] else None,
+                      _verdict(s.get("met_max_plus_group")), ""])
+    t1 = table(["link", "Gb/s", "transfer", "1 group", "prefill alone", "bulk TTFT", "layer-wise TTFT",
+                "pipeline model", "saved", "emulated s (P / bulk / lw)", "verified"], rows1, align="lrrrrrrrrrl")
+    t2 = table(["link", "ms/layer xfer vs compute", "overhead", "/ 1 group", "copy", "excl. copy / 1 group",
+                f"<= {TARGET_OVERHEAD_GROUPS}", "lw/(max+grp)", "bulk/(max+grp)", f"lw <= {TARGET_MAX_PLUS_GROUP}x", "note"],
+               rows2, align="lrrrrrlrrll")
+    if not rows1:
+        out = head
+    else:
+        out = head + ["", "TTFT, real ms (transfer / 1 group: the emulated link's nominal time; pipeline model: "
+                          "max(P + 1 group, X + P x group/layers))", t1, "",
+                      "targets: overhead = layer-wise TTFT - max(prefill, transfer), in real ms and in groups (the "
+                      "target; 'excl. copy' leaves out the consumer's copy, which bulk pays too); where transfer > "
+                      "compute, layer-wise ~ max + 1 group, not the sum", t2]
+    sp = result.get("short_prompts")
+    if sp and sp["rows"]:
+        rows3 = [[r["tokens"], r["blocks"], r["bytes"] / 2**20, r["prefill_s"] * 1e3, r["bulk_s"] * 1e3,
+                  r["layerwise_s"] * 1e3, r["delta_s"] * 1e3, r["ratio"], f"{r['pushes']['bulk']} / "
+                  f"{r['pushes']['layerwise']}", r["verified"]] for r in sp["rows"]]
+        t3 = table(["tokens", "blocks", "MiB", "compute ms", "bulk ms", "layer-wise ms", "lw - bulk ms",
+                    "lw / bulk (paired)", "messages b/lw", "verified"], rows3, align="rrrrrrrrrl")
+        cross = sp["crossover_tokens"]
+        cfg = sp["configured_layerwise_min_tokens"]
+        out += ["", f"short prompts: no link emulation (loopback, real {sp['slot_bytes'] // 1024} KiB slots), compute "
+                    f"{sp['us_per_token']:g} us/token, group {sp['group']}, {sp['reps']} repetitions (median)", t3,
+                ("crossover: " + (f"none in the lengths measured (layer-wise stays more than "
+                                  f"{sp['crossover_tolerance']:.0%} slower than bulk)" if cross is None else
+                                  f"from {cross} tokens on, layer-wise TTFT stays within "
+                                  f"{sp['crossover_tolerance']:.0%} of bulk (per-group overhead no longer matters)")
+                 + f"; the connector's layerwise_min_tokens default is {cfg}")]
+    if result.get("errors"):
+        out += ["", "errors:"] + [f"  {e}" for e in result["errors"]]
+    files = result.get("files", {})
+    if files:
+        out += ["", f"JSON {files.get('json')}", f"PNG  {files.get('png')}"]
+    return "\n".join(out)
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = result["config"]
+    sp = result.get("short_prompts") or {}
+    has_short = bool(sp.get("rows"))
+    ok = [(n, s) for n, s in result["links"].items() if s["status"] == "ok"]
+    panels = (["links"] if ok else []) + (["short"] if has_short else [])
+    if not panels:
+        return
+    width = 8 * bool(ok) + 5 * has_short
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, 5), squeeze=False,
+                             gridspec_kw={"width_ratios": [2, 1]} if len(panels) == 2 else None)
+    if ok:
+        _plot_links(axes[0][0], result, ok, c)
+    if has_short:
+        _plot_short(axes[0][-1], sp)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_links(ax: Any, result: dict[str, Any], ok: list, c: dict[str, Any]) -> None:
+    x = np.arange(len(ok))
+    w = 0.27
+    for i, (label, key) in enumerate((("prefill alone", "prefill_alone"), ("bulk", "bulk"),
+                                      ("layer-wise", "layerwise"))):
+        vals = [s["real_ms"][key] for _, s in ok]
+        bars = ax.bar(x + (i - 1) * w, vals, w, label=label, color=MODE_COLOR[label], edgecolor="black",
+                      linewidth=0.5)
+        for b, v in zip(bars, vals):
+            ax.annotate(f"{v:.3g}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                        fontsize=7, xytext=(0, 2), textcoords="offset points")
+    for j, (_, s) in enumerate(ok):  # the pipeline model as a tick over the layer-wise bar
+        ax.plot([j + w / 2, j + 3 * w / 2], [s["real_ms"]["pipeline_model"]] * 2, color="black", lw=1.2, ls="--")
+    ax.set_xticks(x, [f"{n}\n{s['gbps']:g} Gb/s" + ("\n(transfer > compute)" if s["link_bound"] else "")
+                      for n, s in ok], fontsize=8)
+    ax.set_ylabel("TTFT, real ms (median)")
+    ax.set_title(f"{c['preset']}, {c['tokens']} tokens, {c['layers']} layers in groups of {c['group']}, "
+                 f"emulated x{c['time_scale']:g} time, /{c['byte_scale']:g} bytes", fontsize=9)
+    top = max([max(s["real_ms"]["bulk"], s["real_ms"]["layerwise"]) for _, s in ok], default=1.0)
+    ax.set_ylim(0, top * 1.35)  # room for the notes
+    ax.plot([], [], color="black", ls="--", lw=1.2, label="pipeline model")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    notes = [f"{t['link']}: overhead {t['overhead_groups']:.2f} groups ({_verdict(t['met_overhead'])})"
+             for t in result["targets"] if t.get("overhead_groups") is not None]
+    if notes:
+        ax.text(0.99, 0.98, "\n".join(notes) + f"\ntarget <= {TARGET_OVERHEAD_GROUPS} groups", transform=ax.transAxes,
+                ha="right", va="top", fontsize=7, family="monospace")
+
+
+def _plot_short(ax: Any, sp: dict[str, Any]) -> None:
+    """The paired layer-wise / bulk TTFT ratio over prompt length, each point labelled with lw - bulk."""
+    t = [r["tokens"] for r in sp["rows"]]
+    ratios = [r["ratio"] for r in sp["rows"]]
+    ax.plot(t, ratios, "s-", color=MODE_COLOR["layer-wise"], label="layer-wise / bulk TTFT")
+    for x, y, r in zip(t, ratios, sp["rows"]):
+        ax.annotate(f"{r['delta_s'] * 1e3:+.1f} ms", (x, y), ha="center", va="bottom", fontsize=6,
+                    xytext=(0, 3), textcoords="offset points")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(1 + sp["crossover_tolerance"], color="grey", ls=":", lw=0.8,
+               label=f"+{sp['crossover_tolerance']:.0%} tolerance")
+    if sp.get("crossover_tokens"):
+        ax.axvline(sp["crossover_tokens"], color="green", ls=":", label=f"crossover {sp['crossover_tokens']} tok")
+    if sp.get("configured_layerwise_min_tokens"):
+        ax.axvline(sp["configured_layerwise_min_tokens"], color="black", ls="--", lw=0.8,
+                   label=f"layerwise_min_tokens {sp['configured_layerwise_min_tokens']}")
+    ax.set_xscale("log", base=2)
+    ax.margins(x=0.08, y=0.12)
+    ax.set_xticks(t, [str(v) for v in t], fontsize=7)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("layer-wise / bulk TTFT (median of paired runs)")
+    ax.set_title(f"short prompts on loopback, compute {sp['us_per_token']:g} us/token\n"
+                 f"(labels: layer-wise - bulk, median)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+
+
+# ============================================================================== command line
+def _auto(kind: type):
+    """A number, or 'auto' / 'all' for None (the benchmark picks)."""
+    def parse(text: str):
+        if text in ("auto", "all"):
+            return None
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _short_us(text: str) -> float | str:
+    if text == "calibrated":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected microseconds per token or 'calibrated'") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), default="8b",
+                        help="model (kvconnectors.planner presets): 8b = llama-8b, 32 layers, 128 KiB/token; "
+                             "70b = llama-70b GQA, 80 layers, 320 KiB/token")
+    parser.add_argument("--tokens", type=int, default=2000, help="prompt tokens (sets compute and KV bytes)")
+    parser.add_argument("--block-tokens", type=int, default=16,
+                        help="tokens per KV block; one (layer, block) slot is the unit staged, checksummed, pushed")
+    parser.add_argument("--group", type=int, default=4,
+                        help="layers per push message in layer-wise mode (the connector's layer_group_size)")
+    parser.add_argument("--links", default="all",
+                        help=f"comma-separated links: {', '.join(f'{k} ({v.gbps:g} Gb/s)' for k, v in planner.LINKS.items())}"
+                             ", 'all', NAME=GBIT for another line rate in Gbit/s, or 'none' (short prompts only)")
+    parser.add_argument("--gpu", choices=sorted(planner.GPUS), default="h100-sxm",
+                        help="GPU whose dense bf16 peak calibrates the per-layer compute")
+    parser.add_argument("--mfu", type=float, default=planner.Workload().mfu,
+                        help="fraction of the GPU's peak the prefill achieves")
+    parser.add_argument("--layers", type=_auto(int), default="all",
+                        help="emulate only the first N layers of the model (same per-layer cost and bytes; quick "
+                             "runs); 'all' = the model's")
+    parser.add_argument("--time-scale", type=_auto(float), default="auto",
+                        help="S: emulated time = S x real time; auto = one emulated layer computes ~25 ms")
+    parser.add_argument("--byte-scale", type=_auto(float), default="auto",
+                        help="D: emulated bytes = real bytes / D, link rates / (S x D); auto = the smallest power "
+                             "of two that keeps the fastest link <= loopback / --link-headroom")
+    parser.add_argument("--link-headroom", type=float, default=3.0,
+                        help="the auto byte scale keeps every emulated link this many times below the measured "
+                             "loopback rate of the push path")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions per link and mode (median reported)")
+    parser.add_argument("--short-tokens", default=",".join(map(str, DEFAULT_SHORT_TOKENS)),
+                        help="prompt lengths of the short-prompt section (comma-separated; 'none' skips it)")
+    parser.add_argument("--short-reps", type=int, default=11, help="repetitions per short-prompt length and mode")
+    parser.add_argument("--short-us-per-token", type=_short_us, default=0.0,
+                        help="compute per prompt token in the short-prompt section, real microseconds; 0 = none "
+                             "(the worst case for layer-wise), 'calibrated' = the preset's GPU/MFU cost")
+    parser.add_argument("--crossover-tolerance", type=float, default=0.05,
+                        help="the crossover is the shortest prompt from which layer-wise TTFT stays within this "
+                             "fraction of bulk TTFT at every longer measured length")
+    parser.add_argument("--no-short", action="store_true", help="skip the short-prompt section")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory for the JSON and PNG")
+    parser.add_argument("--seed", type=int, default=0, help="payload and block-table seed")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = run_layerwise(preset=args.preset, tokens=args.tokens, block_tokens=args.block_tokens,
+                               group=args.group, links=args.links, gpu=args.gpu, mfu=args.mfu, layers=args.layers,
+                               time_scale=args.time_scale, byte_scale=args.byte_scale,
+                               link_headroom=args.link_headroom, reps=args.reps,
+                               short_tokens=None if args.no_short else args.short_tokens,
+                               short_reps=args.short_reps, short_us_per_token=args.short_us_per_token,
+                               crossover_tolerance=args.crossover_tolerance,
+                               out=args.out, seed=args.seed, show_progress=not args.no_progress)
+    except ValueError as exc:
+        print(f"kvconnectors bench layerwise: {exc}", file=sys.stderr)
+        return 2
+    ok = all(s["status"] == "ok" and s["verified"] for s in result["links"].values())
+    ok = ok and all(r["verified"] for r in result["short_prompts"]["rows"])
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.layerwise", description=description(__doc__),
+                                     formatter_class=HelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
