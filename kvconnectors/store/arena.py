@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from kvconnectors.errors import ConfigError
-from kvconnectors.store.buffers import address, paired_runs
+from kvconnectors.store.buffers import address, paired_runs, private_mapping
 from kvconnectors.store.freelist import FreeList
 from kvconnectors.store.sizes import format_size
 
@@ -35,12 +35,7 @@ class DramArena:
         self._fd: int | None = None
         if shm_name is None:
             # No MAP_POPULATE here: huge pages must be asked for before the memory is faulted in.
-            self._mm = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses on big copies; a hint only
-                try:
-                    self._mm.madvise(mmap.MADV_HUGEPAGE)
-                except OSError:
-                    pass
+            self._mm = private_mapping(self.nbytes)
         else:
             self.shm_path = os.path.join(SHM_DIR, shm_name)
             self._fd = _open_owned_shm(self.shm_path, self.nbytes)

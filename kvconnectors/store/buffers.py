@@ -4,11 +4,18 @@ finding runs of consecutive slot numbers (one memcpy / one I/O per run instead o
 from __future__ import annotations
 
 import mmap
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
 PAGE = mmap.PAGESIZE
+
+
+class SlotRows(NamedTuple):
+    """Slot i of an NVMe transfer is mem[idx[i]]: rows of one (m, slot_bytes) array, named by number so
+    that runs of adjacent rows move as one buffer (no numpy view per slot)."""
+    mem: np.ndarray
+    idx: np.ndarray
 
 
 def as_slots(obj: Any, slot_bytes: int, *, writable: bool, what: str) -> np.ndarray:
@@ -57,9 +64,23 @@ def is_aligned(arr: np.ndarray, align: int = PAGE) -> bool:
     return address(arr) % align == 0 and arr.nbytes % align == 0
 
 
+def private_mapping(nbytes: int) -> mmap.mmap:
+    """`nbytes` of page-aligned private anonymous memory with the transparent-huge-page hint, not yet
+    faulted in (the hint must come first). Private, not mmap.mmap(-1, n)'s default MAP_SHARED: shared
+    anonymous memory is shmem, which gets no THP where shmem_enabled=never, and O_DIRECT from 4 KiB pages
+    pins more pages and splits each I/O into more, smaller block requests."""
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses and bigger block requests; a hint only
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return m
+
+
 def aligned_empty(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     """Page-aligned scratch (O_DIRECT rejects malloc'ed numpy buffers, which sit 16 B past a page)."""
-    m = mmap.mmap(-1, max(nbytes, PAGE))
+    m = private_mapping(max(nbytes, PAGE))
     return m, np.frombuffer(m, dtype=np.uint8, count=nbytes)
 
 
@@ -85,3 +106,8 @@ def paired_runs(a: np.ndarray, b: np.ndarray) -> Iterator[tuple[int, int, int]]:
     ends = np.concatenate((breaks, [n]))
     for s, e in zip(starts.tolist(), ends.tolist()):
         yield int(a[s]), int(b[s]), e - s
+
+
+def row_views(mem: np.ndarray, rows: np.ndarray) -> list[np.ndarray]:
+    """mem[rows] as a list of views, one per run of consecutive row numbers (in `rows` order)."""
+    return [mem[first:first + n] for _, first, n in runs(rows)]

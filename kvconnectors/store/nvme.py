@@ -2,8 +2,9 @@
 
 - An entry's slots are striped round-robin over the directories (one file per device = parallel
   devices), and runs of adjacent extents in one file move in one preadv/pwritev (scatter-gather over
-  the DRAM slots, which need not be adjacent). Several runs are in flight on a thread pool; the
-  os.preadv/os.pwritev calls release the GIL.
+  the DRAM slots, which need not be adjacent; adjacent ones go as one buffer, so the usual
+  adjacent-to-adjacent spill is one iovec and no per-slot Python objects). Several runs are in
+  flight on a thread pool; the os.preadv/os.pwritev calls release the GIL.
 - O_DIRECT where the filesystem accepts it (bypasses the page cache, which would otherwise double
   the memory a spill uses), detected per directory by opening with O_DIRECT and doing one probe
   write+read from page-aligned memory; EINVAL at either step means "buffered" (or a ConfigError when
@@ -30,7 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvconnectors.errors import ConfigError
-from kvconnectors.store.buffers import PAGE, aligned_empty, is_aligned
+from kvconnectors.store.buffers import PAGE, SlotRows, aligned_empty, is_aligned, row_views
 from kvconnectors.store.freelist import FreeList
 from kvconnectors.store.sizes import format_size
 
@@ -187,6 +188,8 @@ class NvmeTier:
         if n == 0:
             return np.empty(0, dtype=np.int64)
         nd = len(self.files)
+        if nd == 1:  # the common single-directory case: nothing to stripe
+            return self.files[0].free.take(n)
         room = [len(f.free) for f in self.files]
         quota = [0] * nd
         left = n
@@ -200,14 +203,7 @@ class NvmeTier:
                 left -= add
                 if not left:
                     break
-        labels = np.empty(n, dtype=np.int64)
-        rem, pos, d = quota[:], 0, stripe_start % nd
-        while pos < n:
-            if rem[d]:
-                labels[pos] = d
-                rem[d] -= 1
-                pos += 1
-            d = (d + 1) % nd
+        labels = stripe_labels(quota, stripe_start)
         out = np.empty(n, dtype=np.int64)
         for d in range(nd):
             if quota[d]:
@@ -223,15 +219,15 @@ class NvmeTier:
             self.files[d].free.give(ids[dirs == d] - d * self.per_dir)
 
     # -- data (callers hold a reference on the owning entry, not the lock) --------------------------
-    def write(self, ids: np.ndarray, bufs: Sequence[np.ndarray]) -> None:
-        """bufs[i] (slot_bytes each) -> extent ids[i]."""
+    def write(self, ids: np.ndarray, bufs: SlotRows) -> None:
+        """bufs.mem[bufs.idx[i]] (slot_bytes each) -> extent ids[i]."""
         self._run_all(ids, bufs, write=True)
 
-    def read(self, ids: np.ndarray, bufs: Sequence[np.ndarray]) -> None:
-        """extent ids[i] -> bufs[i] (writable, slot_bytes each)."""
+    def read(self, ids: np.ndarray, bufs: SlotRows) -> None:
+        """extent ids[i] -> bufs.mem[bufs.idx[i]] (writable, slot_bytes each)."""
         self._run_all(ids, bufs, write=False)
 
-    def _run_all(self, ids: np.ndarray, bufs: Sequence[np.ndarray], write: bool) -> None:
+    def _run_all(self, ids: np.ndarray, bufs: SlotRows, write: bool) -> None:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size == 0:
             return
@@ -239,6 +235,7 @@ class NvmeTier:
             raise RuntimeError("NVMe tier is closed or disabled")
         order = np.argsort(ids, kind="stable")
         sids = ids[order]
+        srows = np.asarray(bufs.idx, dtype=np.int64)[order]
         # A run ends where ids stop being consecutive, where a file ends, or at the I/O size cap.
         brk = np.flatnonzero((np.diff(sids) != 1) | (np.diff(sids // self.per_dir) != 0)) + 1
         tasks: list[tuple[ExtentFile, int, list[np.ndarray]]] = []
@@ -247,7 +244,8 @@ class NvmeTier:
                 ce = min(e, c + self.max_io_slots)
                 first = int(sids[c])
                 f = self.files[first // self.per_dir]
-                tasks.append((f, first % self.per_dir, [bufs[i] for i in order[c:ce].tolist()]))
+                # One buffer per stretch of adjacent rows: <= max_io_slots <= IOV_MAX buffers per I/O.
+                tasks.append((f, first % self.per_dir, row_views(bufs.mem, srows[c:ce])))
         with self._ios_lock:
             if write:
                 self.write_ios += len(tasks)
@@ -263,17 +261,19 @@ class NvmeTier:
                 raise exc
 
     def _one_io(self, f: ExtentFile, first: int, bufs: list[np.ndarray], write: bool) -> None:
+        """Move the buffers (each a whole number of slots, in order) to/from extents first, first + 1, ..."""
         offset = first * self.slot_bytes
         if f.direct and not all(is_aligned(b) for b in bufs):
-            bounce = self._bounce()[: len(bufs) * self.slot_bytes]
+            ends = np.cumsum([b.nbytes for b in bufs]).tolist()
+            bounce = self._bounce()[: ends[-1]]
             if write:
-                for i, b in enumerate(bufs):
-                    bounce[i * self.slot_bytes:(i + 1) * self.slot_bytes] = b.reshape(-1)
+                for b, end in zip(bufs, ends):
+                    bounce[end - b.nbytes:end] = b.reshape(-1)
                 _full_io(os.pwritev, f.io_fd, [bounce], offset)
             else:
                 _full_io(os.preadv, f.io_fd, [bounce], offset)
-                for i, b in enumerate(bufs):
-                    b.reshape(-1)[:] = bounce[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+                for b, end in zip(bufs, ends):
+                    b.reshape(-1)[:] = bounce[end - b.nbytes:end]
             return
         _full_io(os.pwritev if write else os.preadv, f.io_fd, bufs, offset)
 
@@ -297,6 +297,18 @@ class NvmeTier:
                 pass
             os.close(f.lock_fd)
         self.files = []
+
+
+def stripe_labels(quota: Sequence[int], start: int) -> np.ndarray:
+    """The directory of each position of an allocation: round-robin from directory `start`, a directory
+    dropping out once its quota[d] positions are handed out. Directory d's k-th position comes in
+    round k at ring place (d - start) % D, so sorting by k * D + ring place gives the order."""
+    nd = len(quota)
+    q = np.asarray(quota, dtype=np.int64)
+    dirs = np.repeat(np.arange(nd, dtype=np.int64), q)
+    k = np.arange(dirs.size, dtype=np.int64) - np.repeat(np.cumsum(q) - q, q)  # rank within its directory
+    keys = k * nd + (dirs - start) % nd
+    return dirs[np.argsort(keys, kind="stable")]
 
 
 def _full_io(fn: Callable[[int, list, int], int], fd: int, bufs: list, offset: int) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvconnectors.errors import LeaseExpiredError, StoreFullError, TransferError, UnknownTransferError
 from kvconnectors.store.arena import DramArena
-from kvconnectors.store.buffers import aligned_empty, as_slots
+from kvconnectors.store.buffers import SlotRows, aligned_empty, as_slots
 from kvconnectors.store.config import StoreConfig
 from kvconnectors.store.entry import Entry, EntryInfo, ext_of, nvme_loc
 from kvconnectors.store.errors import NotSealedError, StoreClosedError
@@ -516,9 +516,7 @@ class TieredStore:
             else:
                 self._arena.copy_out(loc[d_pos], buf, d_pos)
         if n_pos.size:
-            ext = ext_of(loc[n_pos])
-            rows = [buf[i] for i in n_pos.tolist()]
-            (self._nvme.write if to_store else self._nvme.read)(ext, rows)
+            (self._nvme.write if to_store else self._nvme.read)(ext_of(loc[n_pos]), SlotRows(buf, n_pos))
         return d_pos.size * self.slot_bytes, n_pos.size * self.slot_bytes
 
     def _spill_io(self, victims: list[tuple[Entry, np.ndarray]], ext: np.ndarray) -> None:
@@ -526,10 +524,9 @@ class TieredStore:
         if not victims:
             return
         t0 = time.perf_counter()
-        slots = self._arena.slots
-        rows = [slots[s] for v, pos in victims for s in v.loc[pos].tolist()]
-        self._nvme.write(ext, rows)
-        self.stats.add(spills=len(victims), spill_slots=len(rows), spill_bytes=len(rows) * self.slot_bytes,
+        dram = np.concatenate([v.loc[pos] for v, pos in victims])
+        self._nvme.write(ext, SlotRows(self._arena.slots, dram))
+        self.stats.add(spills=len(victims), spill_slots=dram.size, spill_bytes=dram.size * self.slot_bytes,
                        spill_seconds=time.perf_counter() - t0)
 
     def _commit_spill(self, victims: list[tuple[Entry, np.ndarray]], ext: np.ndarray) -> np.ndarray:
@@ -565,8 +562,7 @@ class TieredStore:
                     ext = ext_of(e.loc[chunk])
                     try:
                         with self._unlocked():
-                            slots = self._arena.slots
-                            self._nvme.read(ext, [slots[s] for s in dram.tolist()])
+                            self._nvme.read(ext, SlotRows(self._arena.slots, dram))
                     except BaseException:
                         pool = np.concatenate((pool, dram))
                         raise
@@ -624,7 +620,7 @@ class TieredStore:
             for v, _ in victims:
                 v.spilling = True
             mm, bounce = aligned_empty(c * self.slot_bytes)
-            rows = list(bounce.reshape(c, self.slot_bytes))
+            rows = SlotRows(bounce.reshape(c, self.slot_bytes), np.arange(c))
             lost = False
             try:
                 with self._unlocked():
