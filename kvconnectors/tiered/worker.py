@@ -162,7 +162,12 @@ class TieredConnectorWorker:
     def _stage_layer(self, layer: int, saves: list[SaveSpec]) -> None:
         with self._stage_lock:  # the push sender may fail a transfer meanwhile
             for spec in saves:
-                self._stage_spec(layer, spec)
+                try:
+                    self._stage_spec(layer, spec)
+                except Exception as exc:  # a bug must fail this transfer, not the engine (wait_for_save)
+                    logger.exception("staging layer %d of %s failed", layer, spec.transfer_id)
+                    self._fail_staging(spec.transfer_id,
+                                       TransferError(FailureCause.PROTOCOL, f"internal error: {exc!r}"))
 
     def _stage_spec(self, layer: int, spec: SaveSpec) -> None:
         src = self._blocks[layer]
@@ -225,29 +230,40 @@ class TieredConnectorWorker:
     def _seal_step(self, meta: TieredConnectorMetadata) -> None:
         sealed = False
         for spec in meta.saves:
-            tid = spec.transfer_id
-            if not spec.seal and tid in self._push_targets and tid not in self._staging_failed:
-                self._push_group(spec)  # this step's last group; the prompt goes on next step
-            if not spec.seal or tid in self._staging_failed:
-                continue
-            sums = self._checksums.pop(tid, None)
-            if sums is None:
-                continue
             try:
-                self.store.seal(tid, {"xxh3": sums.reshape(-1).tolist()} if self.config.checksum else None)
-                # The lease started at the first staged layer; a long prefill must not eat it.
-                self.store.renew(tid)
-                sealed = True
-            except (TransferError, ValueError) as exc:
-                self._fail_staging(tid, TransferError(FailureCause.PROTOCOL, f"seal failed: {exc}"))
-                continue
-            if tid in self._push_targets:
-                # the last group (below layerwise_min_tokens: every layer), sealing the landing copy;
-                # after our own seal, because a landed push releases our staged copy
-                self._push_group(spec, end=True)
-                self._push_targets.pop(tid, None)
+                sealed |= self._finish_step(spec)
+            except Exception as exc:  # a bug here must fail one transfer, never the engine's step
+                logger.exception("finishing the staging step of %s failed", spec.transfer_id)
+                self._fail_staging(spec.transfer_id, TransferError(FailureCause.PROTOCOL, f"internal error: {exc!r}"))
         if sealed and self.server is not None:
             self.server.notify_sealed()
+
+    def _finish_step(self, spec: SaveSpec) -> bool:
+        """After a step's copies: push its last group, and seal a completed prompt. True if sealed."""
+        tid = spec.transfer_id
+        if tid in self._staging_failed:
+            return False
+        if not spec.seal:
+            if tid in self._push_targets:
+                self._push_group(spec)  # this step's last group; the prompt goes on next step
+            return False
+        sums = self._checksums.get(tid)
+        if sums is None:
+            return False
+        try:
+            self.store.seal(tid, {"xxh3": sums.reshape(-1).tolist()} if self.config.checksum else None)
+            # The lease started at the first staged layer; a long prefill must not eat it.
+            self.store.renew(tid)
+        except (TransferError, ValueError) as exc:
+            self._fail_staging(tid, TransferError(FailureCause.PROTOCOL, f"seal failed: {exc}"))
+            return False
+        if tid in self._push_targets:
+            # the last group (below layerwise_min_tokens: every layer), sealing the landing copy;
+            # after our own seal, because a landed push releases our staged copy
+            self._push_group(spec, end=True)
+            self._push_targets.pop(tid, None)
+        self._checksums.pop(tid, None)
+        return True
 
     def _push_done(self, tid: str, error: TransferError | None) -> None:
         """Push sender thread: a transfer finished pushing (error None) or its push failed."""
