@@ -78,20 +78,39 @@ _ports_given: set[int] = set()
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free now and was not returned before by this process.
 
-    The port is released before returning, so another process could still take it; remembering
-    what we handed out stops the common race of one launcher getting the same port twice.
+    The port is released before returning, so another process could still take it. Two things
+    narrow that race: ports come from below the kernel's ephemeral range when it leaves room
+    (outgoing connections, e.g. the servers' own, never take those), and remembering what we
+    handed out stops one launcher getting the same port twice.
     """
+    import random
     import socket
 
+    low = _ephemeral_low()
     with _port_lock:
         for _ in range(64):
+            port = random.randrange(_FIXED_LOW, low) if low - _FIXED_LOW >= 1000 else 0
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
                 port = s.getsockname()[1]
             if port not in _ports_given:
                 _ports_given.add(port)
                 return port
     raise OSError(f"no fresh free port found on {host}")
+
+
+_FIXED_LOW = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # unknown: let the kernel pick (bind to port 0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -197,3 +197,15 @@ def test_real_vllm_bogus_model_path_fails_fast(tmp_path):
     elapsed = time.monotonic() - t0
     assert elapsed < 60, f"failed start took {elapsed:.0f} s"
     assert "exited with code" in str(err.value) and "missing-model" in str(err.value)
+
+
+def test_free_ports_avoid_the_ephemeral_range_and_repeat_never() -> None:
+    """Outgoing connections take ephemeral ports; a planned listen port from below that range
+    cannot be taken by them between planning and binding."""
+    from kvconnectors import serving
+
+    ports = [serving.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    low = serving._ephemeral_low()
+    if low - serving._FIXED_LOW >= 1000:
+        assert all(serving._FIXED_LOW <= p < low for p in ports), ports
