@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-pd": ("integration.launcher", "Launch prefill and decode `vllm serve` pools plus the P/D proxy."),
     "proxy": ("integration.proxy", "Run the P/D proxy in front of running prefill/decode instances."),
     "conformance": ("kvconnectors.conformance.cli", "Run the connector conformance suite and print a matrix."),
-    "bench": ("benchmarks.cli", "Run a benchmark (transfer, tiers, e2e, proxy)."),
+    "bench": ("benchmarks.cli", "Run a benchmark (transfer, tiers, layerwise, e2e, proxy)."),
 }
 
 
