@@ -229,7 +229,7 @@ class TieredStore:
         dst = as_slots(out, self.slot_bytes, writable=True, what="read_into out")
         n = dst.shape[0]
         with self._cond:
-            e = self._live(key) if unsealed else self._usable(key)
+            e = self._readable(key, unsealed)
             idx = self._slice(e, layer, first_block, n)
             if unsealed and not e.written[idx].all():
                 raise ValueError(f"transfer {key!r}: layer {layer} blocks [{first_block}, {first_block + n}) "
@@ -434,6 +434,16 @@ class TieredStore:
             if not e.spilling:
                 return e
             self._cond.wait()
+
+    def _readable(self, key: str, unsealed: bool) -> Entry:
+        """`_usable`, except that unsealed=True also admits an entry still being staged (never a
+        spill victim). A sealed one always goes through `_usable`: it may be mid-spill, and its
+        DRAM slots are about to belong to someone else."""
+        if unsealed:
+            e = self._live(key)
+            if not e.sealed:
+                return e
+        return self._usable(key)
 
     @staticmethod
     def _slice(e: Entry, layer: int, first_block: int, n: int) -> slice:
@@ -652,7 +662,7 @@ class TieredStore:
              unsealed: bool = False) -> tuple[Entry, PinnedEntry]:
         with self._cond:
             while True:
-                e = self._live(key) if unsealed else self._usable(key)
+                e = self._readable(key, unsealed)
                 if not e.restoring:
                     break
                 self._cond.wait()

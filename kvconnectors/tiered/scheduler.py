@@ -214,7 +214,7 @@ class TieredConnectorScheduler:
             if self._locator is None:
                 self._locator = self._client((self._addrs[0].host, self._addrs[0].port))
             where = self._locator.locate(tid, time.monotonic() + self.config.connect_timeout_s)
-        except TransferError as exc:
+        except (TransferError, OSError) as exc:  # metrics only: never fail the scheduler step
             logger.debug("could not locate %s in the landing store: %s", tid, exc)
             if self._locator is not None:
                 self._locator.close()

@@ -47,8 +47,9 @@ logger = logging.getLogger(__name__)
 _MAX_FAILURE_MEMORY = 10_000
 TRANSIENT = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT, FailureCause.CHECKSUM_MISMATCH,
                        FailureCause.PROTOCOL})
-# A push that broke on the wire leaves no consumer able to use the staged copy in time: release it.
-# A push the consumer refused (store full, bad checksum, ...) keeps it: the consumer pulls instead.
+# A push that broke on the wire (decode gone or stalled) leaves no consumer to pull the staged copy:
+# release it. A push the consumer refused in step (store full, bad checksum, gave up waiting, ...) or
+# one that never connected keeps it: the consumer pulls instead.
 _PUSH_LOST = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT})
 FIRST_CHUNK_GRACE_S = 5.0  # push: no chunk of a transfer landed by then -> pull from the producer
 
@@ -276,7 +277,7 @@ class TieredConnectorWorker:
                 pass
             return
         self._record("record_failure", f"push_{error.cause.value}")
-        if error.cause in _PUSH_LOST:
+        if error.cause in _PUSH_LOST and not getattr(error, "refused", False):
             with self._stage_lock:
                 self._fail_staging(tid, TransferError(error.cause, f"push to the decode instance failed: {error}"))
 
@@ -399,8 +400,11 @@ class TieredConnectorWorker:
         targets = spec.block_ids[:num_blocks]
         if p.push_target and self.landing is not None:
             try:
-                return self._load_landed(p, spec.first_block, targets, deadline)
+                # at most half the time left: a pull from the producer must still fit after it
+                return self._load_landed(p, spec.first_block, targets,
+                                         time.monotonic() + (deadline - time.monotonic()) / 2)
             except TransferError as exc:
+                self.landing.abandon(p.transfer_id, exc)
                 # It did not land here (refused, producer lost, never came): the producer still
                 # holds its staged copy unless the push broke on the wire; its answer decides.
                 logger.warning("pushed KV for request %s did not land (%s); pulling it from the producer",
@@ -441,7 +445,10 @@ class TieredConnectorWorker:
             # short to hold all of it at once.
             buf = np.empty((len(targets), self.store.slot_bytes), dtype=np.uint8)
             for layer in range(self.layout.num_layers):
-                self.store.read_into(tid, layer, first_block, buf)
+                try:
+                    self.store.read_into(tid, layer, first_block, buf)
+                except OSError as exc:  # the landing copy's disk tier failed: pull instead
+                    raise TransferError(FailureCause.PROTOCOL, f"reading the landed copy failed: {exc}") from None
                 self._blocks[layer][ids] = buf
             return len(targets) * self.layout.num_layers * self.store.slot_bytes
         finally:

@@ -63,7 +63,9 @@ class StoreClient:
         if isinstance(msg, kind) and (kind is wire.Welcome or getattr(msg, "ok", True)):
             return msg
         if isinstance(msg, (wire.Ack, wire.ReadReply)) and not msg.ok:
-            raise TransferError(_cause(msg.cause), f"producer {self.address}: {msg.message}")
+            exc = TransferError(_cause(msg.cause), f"peer {self.address}: {msg.message}")
+            exc.refused = True  # answered in step: the peer said no, the connection is fine
+            raise exc
         raise TransferError(FailureCause.PROTOCOL, f"expected {kind.__name__} from {self.address}, "
                                                    f"got {type(msg).__name__}")
 

@@ -98,15 +98,17 @@ class Landing:
     # ------------------------------------------------------------------ producer connections
     def handle_push(self, sock: socket.socket, msg: wire.Push, conn: ConnectionState,
                     fault: FaultRule | None) -> None:
-        """Land one Push and answer it. Bytes that follow an inline Push are always consumed or
-        the connection is closed, so the stream never loses step."""
+        """Land one Push and answer it. Bytes that follow an inline Push are always consumed
+        (refusals are answered in step, so other transfers on this connection go on) unless the
+        header itself is unusable or the stream broke; then the connection is closed."""
+        inline = msg.data_path == "inline"
         try:
-            self._check(msg)
+            self._check_shape(msg)
         except TransferError as exc:
             self._fail(msg.transfer_id, exc, conn)
             _reply(sock, exc)
-            if msg.data_path == "inline" and msg.nbytes:
-                _hang_up(sock)  # the unread bytes would be taken for the next frame
+            if inline and msg.nbytes:
+                _hang_up(sock)  # sizes we cannot trust: the unread bytes would be taken for a frame
             return
         if fault is not None and fault.action == "truncate":
             _hang_up(sock)
@@ -114,30 +116,62 @@ class Landing:
         slot = self.store.slot_bytes
         rows = len(msg.layers) * msg.num_blocks
         try:
-            if msg.data_path == "inline":
+            self._check_state(msg)
+            self._ensure_entry(msg, conn)  # before the bytes: the consumer sees it is on its way
+        except TransferError as exc:
+            if inline and not self._drain(sock, msg.nbytes, conn):
+                return
+            self._fail(msg.transfer_id, exc, conn)
+            _reply(sock, exc)
+            return
+        try:
+            if inline:
                 buf = conn.bounce(rows * slot).reshape(rows, slot)
-                wire.recv_exact(sock, memoryview(buf.reshape(-1)), time.monotonic() + 60)
-            else:
-                buf = None
-            self._ensure_entry(msg, conn)
-            if buf is None:
-                self._land_nixl(msg, conn)
-            else:
+                try:
+                    wire.recv_exact(sock, memoryview(buf.reshape(-1)), time.monotonic() + 60)
+                except TransferError as exc:  # the stream itself broke
+                    self._fail(msg.transfer_id, exc, conn)
+                    _hang_up(sock)
+                    return
                 self._land(msg, buf, fault)
+            else:
+                self._land_nixl(msg, conn)
         except TransferError as exc:
             self._fail(msg.transfer_id, exc, conn)
-            if exc.cause is FailureCause.PEER_UNREACHABLE or (exc.cause is FailureCause.TIMEOUT
-                                                              and msg.data_path == "inline"):
-                _hang_up(sock)  # the stream itself broke
-            else:
-                _reply(sock, exc)
+            _reply(sock, exc)
             return
-        self.counters["pushes"] += 1
-        self.counters["push_bytes"] += rows * slot
+        with self._cond:
+            self.counters["pushes"] += 1
+            self.counters["push_bytes"] += rows * slot
         if msg.seal:
             self.handle_end(sock, wire.PushEnd(transfer_id=msg.transfer_id), conn)
             return
         wire.send_msg(sock, wire.Ack(ok=True))
+
+    def abandon(self, transfer_id: str, why: TransferError) -> None:
+        """The consumer gave up waiting and pulls instead: refuse what still comes (in step, so the
+        producer keeps its copy for that pull) and drop what already landed."""
+        with self._cond:
+            self._failed[transfer_id] = TransferError(why.cause, f"the consumer stopped waiting for it: {why}")
+            self._seen.pop(transfer_id, None)
+        try:
+            self.store.release(transfer_id)
+        except TransferError:
+            pass
+
+    def _drain(self, sock: socket.socket, nbytes: int, conn: ConnectionState) -> bool:
+        """Read and discard a refused Push's bytes (sizes already checked); False if the stream broke."""
+        left = nbytes
+        deadline = time.monotonic() + 60
+        while left:
+            chunk = conn.bounce(min(left, 8 << 20))
+            try:
+                wire.recv_exact(sock, memoryview(chunk), deadline)
+            except TransferError:
+                _hang_up(sock)
+                return False
+            left -= chunk.size
+        return True
 
     def handle_end(self, sock: socket.socket, msg: wire.PushEnd, conn: ConnectionState) -> None:
         tid = msg.transfer_id
@@ -156,8 +190,8 @@ class Landing:
             self._fail(tid, err, conn)
             _reply(sock, err)
             return
-        self.counters["landed"] += 1
         with self._cond:
+            self.counters["landed"] += 1
             self._cond.notify_all()
         wire.send_msg(sock, wire.Ack(ok=True))
 
@@ -168,7 +202,7 @@ class Landing:
                 f"producer {conn.peer} disconnected before it finished pushing transfer {tid!r}")), conn)
 
     # ------------------------------------------------------------------ internals
-    def _check(self, msg: wire.Push) -> None:
+    def _check_shape(self, msg: wire.Push) -> None:
         if not msg.transfer_id or len(msg.transfer_id) > 512:
             raise TransferError(FailureCause.PROTOCOL, f"bad transfer_id {msg.transfer_id[:64]!r}")
         if msg.fingerprint != self.fingerprint:
@@ -201,8 +235,10 @@ class Landing:
                 raise TransferError(FailureCause.PROTOCOL, "nixl push without one offset per block")
         else:
             raise TransferError(FailureCause.PROTOCOL, f"unknown push data_path {msg.data_path!r}")
+
+    def _check_state(self, msg: wire.Push) -> None:
         with self._cond:
-            if msg.transfer_id in self._failed:
+            if msg.transfer_id in self._failed:  # it failed earlier (maybe on another connection)
                 raise self._failed[msg.transfer_id]
 
     def _ensure_entry(self, msg: wire.Push, conn: ConnectionState) -> None:
@@ -281,8 +317,8 @@ class Landing:
         except TransferError:
             pass
         logger.warning("pushed transfer %s from %s failed to land: %s", tid, conn.peer, exc)
-        self.counters["failed"] += 1
         with self._cond:
+            self.counters["failed"] += 1
             self._failed[tid] = exc
             while len(self._failed) > MAX_FAILURES:
                 self._failed.popitem(last=False)

@@ -130,10 +130,15 @@ class PushSender:
         if failed is not None:
             if job.end or job.abort is not None:
                 self._failed.pop(tid, None)  # its last job: forget it
-            return
+            if job.abort is None or getattr(failed, "refused", False):
+                return  # the landing side already knows (it refused, or it is the one that failed)
         deadline = time.monotonic() + self.timeout_s
         try:
-            client = self._client(job.target)
+            try:
+                client = self._client(job.target)
+            except TransferError as exc:
+                exc.refused = True  # nothing was sent: the staged copy is intact for a pull
+                raise
             if job.abort is not None or (job.end and not job.layers):
                 client.push_end(tid, deadline, job.abort)
                 self._on_done(tid, job.abort)
@@ -182,6 +187,11 @@ class PushSender:
         if self._link_free_at > now:
             time.sleep(self._link_free_at - now)
 
+    def _drop_client(self, target: Addr) -> None:
+        client = self._clients.pop(target, None)
+        if client is not None:
+            client.close()
+
     def _client(self, target: Addr) -> StoreClient:
         client = self._clients.get(target)
         if client is None:
@@ -190,13 +200,17 @@ class PushSender:
         return client
 
     def _fail(self, job: PushJob, exc: TransferError) -> None:
-        if exc.cause in _STREAM_BROKEN:
+        if job.abort is not None:  # best effort: the transfer is already failed here
+            logger.info("could not tell %s:%d that transfer %s was abandoned: %s", *job.target,
+                        job.transfer_id, exc)
+            if exc.cause in _STREAM_BROKEN:
+                self._drop_client(job.target)
+            return
+        if exc.cause in _STREAM_BROKEN and not getattr(exc, "refused", False):
             # The stream may be out of step: start afresh. (A refusal answered in step, e.g.
             # store_full, keeps the connection: closing it would fail the other transfers on it.)
-            client = self._clients.pop(job.target, None)
-            if client is not None:
-                client.close()
-        if not (job.end or job.abort is not None):
+            self._drop_client(job.target)
+        if not job.end:
             self._failed[job.transfer_id] = exc
             while len(self._failed) > 10_000:
                 self._failed.pop(next(iter(self._failed)))

@@ -292,3 +292,69 @@ def test_the_last_group_can_seal_the_landing_copy_itself(pair) -> None:
     pair.sender.submit(PushJob("s", pair.target, [2, 3], 0, BLOCKS, sums([2, 3]), end=True))
     assert np.array_equal(landed(pair, "s"), data)
     assert pair.sender.flush(5) and pair.done == {"s": None} and pair.sender.pushes == 2
+
+
+def _stage_only(p: Pair, tid: str, seed: int) -> np.ndarray:
+    data = np.random.default_rng(seed).integers(0, 256, (LAYERS, BLOCKS, SLOT), dtype=np.uint8)
+    p.src.create(tid, LAYERS, BLOCKS)
+    for layer in range(LAYERS):
+        p.src.write(tid, layer, 0, data[layer])
+    return data
+
+
+def _sums(data: np.ndarray, layers: list[int]) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(data[l, b]) for l in layers for b in range(BLOCKS)]
+
+
+def test_a_broken_connection_loses_only_the_transfer_whose_bytes_broke() -> None:
+    """A and B interleave on one connection; A's second push breaks it. B was open on it too, so
+    the landing side fails B, but B's next push is refused in step: B's producer copy is kept
+    (the consumer pulls it), only A counts as lost on the wire."""
+    p = Pair(faults=FaultPlan.from_config([{"action": "truncate", "on": "push", "nth": 3}]))
+    try:
+        a, b = _stage_only(p, "A", 1), _stage_only(p, "B", 2)
+        p.sender.submit(PushJob("A", p.target, [0, 1], 0, BLOCKS, _sums(a, [0, 1])))
+        p.sender.submit(PushJob("B", p.target, [0, 1], 0, BLOCKS, _sums(b, [0, 1])))
+        p.sender.submit(PushJob("A", p.target, [2, 3], 0, BLOCKS, _sums(a, [2, 3]), end=True))  # 3rd: breaks
+        p.sender.submit(PushJob("B", p.target, [2, 3], 0, BLOCKS, _sums(b, [2, 3]), end=True))
+        assert p.sender.flush(5)
+        assert not getattr(p.done["A"], "refused", False), p.done
+        assert p.done["B"] is not None and p.done["B"].refused, p.done
+        assert p.dst.usage()["entries"] == 0
+    finally:
+        p.close()
+
+
+def test_an_abort_after_a_local_failure_still_reaches_the_landing_side(pair) -> None:
+    data = _stage_only(pair, "gone", 3)
+    pair.sender.submit(PushJob("gone", pair.target, [0, 1], 0, BLOCKS, _sums(data, [0, 1])))
+    assert pair.sender.flush(5)
+    pair.src.release("gone")  # e.g. the request was aborted: the next group cannot be read
+    pair.sender.submit(PushJob("gone", pair.target, [2, 3], 0, BLOCKS, _sums(data, [2, 3])))
+    pair.sender.submit(PushJob("gone", pair.target, abort=TransferError(FailureCause.UNKNOWN_TRANSFER, "aborted")))
+    assert pair.sender.flush(5)
+    with pytest.raises(TransferError) as exc:
+        pair.landing.wait("gone", time.monotonic() + 1, time.monotonic() + 1)
+    assert "aborted" in str(exc.value)
+    assert not pair.dst.contains("gone")
+
+
+def test_a_target_that_cannot_be_reached_keeps_the_producer_copy(pair) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = ("127.0.0.1", s.getsockname()[1])
+    data = _stage_only(pair, "x", 4)
+    pair.sender.submit(PushJob("x", dead, [0, 1, 2, 3], 0, BLOCKS, _sums(data, [0, 1, 2, 3]), end=True))
+    assert pair.sender.flush(10)
+    assert pair.done["x"].cause is FailureCause.PEER_UNREACHABLE and pair.done["x"].refused
+
+
+def test_a_consumer_that_gave_up_refuses_what_still_comes(pair) -> None:
+    """After abandon() (the consumer pulls instead), a late push is refused in step and nothing lands."""
+    pair.landing.abandon("late", TransferError(FailureCause.TIMEOUT, "waited long enough"))
+    pair.stage_and_push("late")
+    assert pair.sender.flush(5)
+    assert pair.done["late"].refused and pair.dst.usage()["entries"] == 0
+    assert pair.src.contains("late"), "the producer must keep its copy for the consumer's pull"
