@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvconnectors.errors import FailureCause, StoreFullError, TransferError
+from kvconnectors.errors import ConfigError, FailureCause, StoreFullError, TransferError
 from kvconnectors.store import StoreConfig, TieredStore
 from kvconnectors.store.reaper import Reaper
 from kvconnectors.tiered.config import TieredConfig
@@ -65,6 +65,10 @@ class TieredConnectorWorker:
         self._model_name = names[0] if isinstance(names, (list, tuple)) else str(names)
         resolve = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
         self._cache_layout = str(resolve()) if resolve else "unknown"
+        if config.transfer_mode == "push" and self.is_consumer and self.tp_size > 1 and not config.store_port:
+            # rank r's landing store listens on store_port + r, derived by the prefill side from push_target
+            raise ConfigError("store_port", config.store_port, (
+                "push mode with tensor parallelism needs a fixed store_port (rank r listens on store_port + r)"))
         self._secret = load_secret(config.secret_file)
         self._compat = wire.compat_hash("tiered")
         self.layout: KVLayout | None = None

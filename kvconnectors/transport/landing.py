@@ -293,8 +293,11 @@ class Landing:
                 n = min(piece, rows - start)
                 dst = bounce[:n * slot].reshape(n, slot)
                 local = np.uint64(bounce.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(slot)
-                sink.read(conn.peer, msg.nixl_agent_meta or b"", np.uint64(msg.nixl_base_address) + offsets[start:start + n],
-                          local, slot, time.monotonic() + 60)
+                # keyed by the producer agent, not the connection: a reconnect reuses the loaded agent
+                meta = msg.nixl_agent_meta or b""
+                sink.read(f"push-{xxhash.xxh3_64_hexdigest(meta)}", meta,
+                          np.uint64(msg.nixl_base_address) + offsets[start:start + n], local, slot,
+                          time.monotonic() + 60)
                 if out is None:
                     self._land(msg, dst, None)
                     return

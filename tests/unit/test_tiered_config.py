@@ -100,3 +100,18 @@ def test_push_mode_asks_vllm_for_piecewise_cuda_graphs() -> None:
     assert TieredConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push"})
     assert not TieredConnector.requires_piecewise_for_cudagraph({"transfer_mode": "pull"})
     assert not TieredConnector.requires_piecewise_for_cudagraph({})
+
+
+def test_push_with_tensor_parallelism_needs_a_fixed_store_port() -> None:
+    from types import SimpleNamespace
+
+    from kvconnectors.errors import ConfigError
+    from kvconnectors.tiered.config import TieredConfig
+    from kvconnectors.tiered.worker import TieredConnectorWorker
+
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(is_kv_producer=False, is_kv_consumer=True),
+        cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=2),
+        model_config=SimpleNamespace(served_model_name="m"))
+    with pytest.raises(ConfigError, match="store_port"):
+        TieredConnectorWorker(vllm_config, TieredConfig(transfer_mode="push"), "e")
