@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -83,13 +84,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     (outgoing connections, e.g. the servers' own, never take those), and remembering what we
     handed out stops one launcher getting the same port twice.
     """
-    import random
     import socket
 
     low = _ephemeral_low()
     with _port_lock:
         for _ in range(64):
-            port = random.randrange(_FIXED_LOW, low) if low - _FIXED_LOW >= 1000 else 0
+            port = _port_rng.randrange(_FIXED_LOW, low) if low - _FIXED_LOW >= 1000 else 0
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind((host, port))
@@ -103,6 +103,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _FIXED_LOW = 20000
+# Its own generator, from the OS: tests that seed the global `random` must not make every call
+# draw the same ports (they would all be "given" after a few calls).
+_port_rng = random.SystemRandom()
 
 
 def _ephemeral_low() -> int:

@@ -209,3 +209,15 @@ def test_free_ports_avoid_the_ephemeral_range_and_repeat_never() -> None:
     low = serving._ephemeral_low()
     if low - serving._FIXED_LOW >= 1000:
         assert all(serving._FIXED_LOW <= p < low for p in ports), ports
+
+
+def test_free_ports_do_not_follow_a_seeded_global_random() -> None:
+    import random
+
+    from kvconnectors import serving
+
+    ports = set()
+    for _ in range(100):
+        random.seed(1234)  # as a test or library may do between calls
+        ports.add(serving.free_port())
+    assert len(ports) == 100
