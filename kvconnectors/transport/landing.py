@@ -30,6 +30,7 @@ import xxhash
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import wire
+from kvconnectors.transport.client import _cause  # a peer's cause string, unknown ones as protocol
 from kvconnectors.transport.faults import FaultRule, corrupted
 
 logger = logging.getLogger(__name__)
@@ -345,10 +346,3 @@ def _hang_up(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-
-
-def _cause(name: str) -> FailureCause:
-    try:
-        return FailureCause(name or "protocol")
-    except ValueError:
-        return FailureCause.PROTOCOL
