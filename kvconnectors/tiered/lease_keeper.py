@@ -5,6 +5,11 @@ keeper renews every tracked transfer each `interval` seconds (one connection per
 beat). When a request is aborted before its KV was pulled, the keeper tells the producer to
 release the entry now instead of holding it until the TTL runs out. One thread, woken by an
 event: no polling while idle.
+
+A pushed request (push mode) has two copies that may matter while it queues: the landed copy in
+the consumer's own store (what it will load) and the producer's staged copy (what it pulls if the
+push was refused or broke; normally released once the push landed). Both are renewed; a copy that
+is no longer held at a "maybe" address is expected and not counted as lost.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvconnectors.errors import TransferError
 from kvconnectors.transport.client import StoreClient
@@ -28,7 +33,8 @@ class LeaseKeeper:
                  rpc_timeout_s: float = 5.0):
         self.interval_s, self.rpc_timeout_s = interval_s, rpc_timeout_s
         self._client = client_factory
-        self._tracked: dict[str, tuple[list[Addr], str]] = {}  # req_id -> (producer ranks, transfer id)
+        # req_id -> (stores that hold the entry, transfer id, stores that may no longer hold it)
+        self._tracked: dict[str, tuple[list[Addr], str, list[Addr]]] = {}
         self._beat_soon = False
         self._to_release: list[tuple[Addr, str]] = []
         self._lock = threading.Lock()
@@ -40,10 +46,12 @@ class LeaseKeeper:
         self._thread = threading.Thread(target=self._run, name="kvc-lease-keeper", daemon=True)
         self._thread.start()
 
-    def track(self, req_id: str, addrs: list[Addr], transfer_id: str) -> None:
-        """Renew `transfer_id` at every producer rank in `addrs` until untracked."""
+    def track(self, req_id: str, addrs: list[Addr], transfer_id: str, maybe_addrs: Sequence[Addr] = ()) -> None:
+        """Renew `transfer_id` at every store in `addrs` (the producer's ranks, or for a pushed
+        request this consumer's own landing stores) and in `maybe_addrs` until untracked; a
+        "no longer held" answer counts as lost only from `addrs`."""
         with self._lock:
-            self._tracked[req_id] = (list(addrs), transfer_id)
+            self._tracked[req_id] = (list(addrs), transfer_id, [a for a in maybe_addrs if a not in addrs])
             self._beat_soon = True
         self._wake.set()  # the ticket's TTL may already be short: beat now, not in a full interval
 
@@ -98,10 +106,12 @@ class LeaseKeeper:
 
     def _beat(self) -> None:
         with self._lock:
-            by_peer: dict[Addr, dict[str, str]] = defaultdict(dict)
-            for req_id, (addrs, tid) in self._tracked.items():
+            by_peer: dict[Addr, dict[str, bool]] = defaultdict(dict)  # addr -> {tid: must be held}
+            for addrs, tid, maybe in self._tracked.values():
+                for addr in maybe:
+                    by_peer[addr].setdefault(tid, False)
                 for addr in addrs:
-                    by_peer[addr][tid] = req_id
+                    by_peer[addr][tid] = True
         for addr, tids in by_peer.items():
             try:
                 with self._client(addr) as c:
@@ -110,4 +120,4 @@ class LeaseKeeper:
                 logger.warning("lease heartbeat to producer %s:%s failed: %s", *addr, exc)
                 continue
             self.renewals += len(reply.remaining)
-            self.lost += len(reply.missing)
+            self.lost += sum(1 for tid in reply.missing if tids.get(tid, True))

@@ -93,9 +93,14 @@ class TieredConnectorScheduler:
         addrs = [(a.host, a.port) for a in tp.addrs]  # every tensor-parallel rank holds a shard
         self._waiting_remote[request.request_id] = (addrs, tp.transfer_id)
         if tp.push_target and self.config.transfer_mode == "push":
-            # Pushed here: the copy that matters is in our own landing store, under its own lease
-            # (the producer releases its staged copy once the push has landed).
+            # Pushed here: the copy that matters is in our own landing stores, under their own lease,
+            # which must outlive the request's time in our queue. The producer's staged copy is
+            # renewed too: it is what a refused or broken push falls back to. Either may be absent
+            # without anything being lost (a bulk push may still be on its way; after a push that
+            # landed the producer has let its copy go), so neither counts as a lost lease.
             self._pushed.add(request.request_id)
+            own = [(a.host, a.port) for a in self._addrs]
+            self._keeper.track(request.request_id, [], tp.transfer_id, maybe_addrs=own + addrs)
             return
         self._keeper.track(request.request_id, addrs, tp.transfer_id)
 
@@ -255,6 +260,8 @@ class TieredConnectorScheduler:
         waiting = self._waiting_remote.pop(req_id, None)
         if req_id in self._pushed:
             self._pushed.discard(req_id)
+            if self._keeper is not None:
+                self._keeper.untrack(req_id)
             if waiting is not None:  # aborted before its load: free the landed copy now
                 self._drops.append(waiting[1])
             return False, None

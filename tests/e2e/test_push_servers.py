@@ -137,3 +137,35 @@ def test_small_dram_spills_both_sides_and_reports_disk_hits(deep_model, prompts,
                                  nvme_bytes=4096 * 16)) as store:
         assert sorted(store.removed_leftovers) == sorted(str(f) for f in left)
     assert not list((tmp_path / "nvme").glob("*.kv")), "NVMe extent files left behind"
+
+
+def test_pushed_requests_queued_past_the_lease_ttl_still_load(deep_model, prompts, colocated, tmp_path) -> None:
+    """Pushed requests that wait in the decode's queue for longer than lease_ttl_s: the decode's
+    lease keeper renews their landed copies (and, for a push the decode refused, the producer's
+    staged copy it falls back to), so they load and equal colocated instead of failing
+    lease_expired. The decode serves one sequence at a time and is busy with a long generation."""
+    ttl = 2.0
+    kv = {"kv_connector_extra_config": {**PUSH, "lease_ttl_s": ttl, "heartbeat_interval_s": 0.5,
+                                        "fault_injection": [{"action": "corrupt", "on": "push", "times": 1}]}}
+    long_ids = [i for i, n in enumerate(LENGTHS) if n >= PUSH["layerwise_min_tokens"]][:3]
+    with PDCluster(deep_model, transport="tcp", mode="push", kv_extra=kv, vllm_args="--max-num-seqs 1",
+                   log_dir=tmp_path) as pd:
+        dec = pd.decode[0]
+        t0 = time.monotonic()
+        dec.complete(prompts[0], max_tokens=200, timeout=120)
+        per_token = (time.monotonic() - t0) / 200
+        busy_tokens = min(3500, int(5 * ttl / per_token) + 1)  # the blocker runs >= 5 x the TTL
+        with ThreadPoolExecutor(1 + len(long_ids)) as pool:
+            blocker = pool.submit(dec.complete, prompts[1][:16], max_tokens=busy_tokens, timeout=300)
+            time.sleep(0.5)  # the blocker holds the decode's only sequence slot
+            start = time.monotonic()
+            outs = list(pool.map(lambda i: run_workload(pd, [prompts[i]])[0], long_ids))
+            waited = time.monotonic() - start
+            blocker.result()
+        statuses = stores_empty(pd)
+        assert all(s.entries == 0 for s in statuses), statuses
+        d = pd.decode[0].metrics()
+    assert waited > 2 * ttl, f"the pushed requests did not queue past the lease TTL ({waited:.1f} s)"
+    assert_same_tokens([colocated[i] for i in long_ids], outs)
+    assert total(d, "kvconnectors:push_fallbacks_total") >= 1, "the refused push was not pulled instead"
+    assert total(d, "kvconnectors:transfer_failures_total") == 0

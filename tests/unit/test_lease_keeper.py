@@ -63,3 +63,26 @@ def test_keeper_survives_a_dead_peer_and_keeps_renewing_the_live_one() -> None:
         keeper.close()
         srv.close()
         store.close()
+
+
+def test_maybe_addresses_are_renewed_and_their_absence_is_not_a_lost_lease() -> None:
+    """A pushed request: its landed copy (here) and the producer's copy (there, already let go)."""
+    held, held_srv = _rank(ttl=1.0)
+    gone, gone_srv = _rank(ttl=1.0)
+    gone.release("t")
+    keeper = LeaseKeeper(0.3, _client)
+    try:
+        keeper.track("pushed", [], "t", maybe_addrs=[("127.0.0.1", held_srv.port), ("127.0.0.1", gone_srv.port)])
+        time.sleep(2.0)
+        assert held.contains("t"), "the held copy's lease lapsed while tracked"
+        assert keeper.renewals >= 4 and keeper.lost == 0
+        keeper.track("pulled", [("127.0.0.1", gone_srv.port)], "t")  # a required copy that is gone is lost
+        deadline = time.monotonic() + 5
+        while keeper.lost == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert keeper.lost >= 1
+    finally:
+        keeper.close()
+        for store, srv in ((held, held_srv), (gone, gone_srv)):
+            srv.close()
+            store.close()
