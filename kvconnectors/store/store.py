@@ -159,11 +159,11 @@ class TieredStore:
             heapq.heappush(self._heap, (e.lease.deadline, seq, key))
         self.stats.add(creates=1)
 
-    def write(self, key: str, layer: int, first_block: int, data: Any) -> None:
+    def write(self, key: str, layer: int | Sequence[int], first_block: int, data: Any) -> None:
         """Copy n slots (data: uint8 (n, slot_bytes) or any C-contiguous buffer of n*slot_bytes)
-        into (layer, first_block .. first_block+n-1) of an unsealed entry."""
+        into (layer, first_block .. first_block+n-1) of an unsealed entry. With a list of layers,
+        data holds n slots per layer, layer after layer (one call for a whole layer group)."""
         src = as_slots(data, self.slot_bytes, writable=False, what="write data")
-        n = src.shape[0]
         with self._cond:
             try:
                 e = self._live(key)
@@ -172,7 +172,7 @@ class TieredStore:
                 raise
             if e.sealed:
                 raise ValueError(f"transfer {key!r} is sealed; its bytes cannot change")
-            idx = self._slice(e, layer, first_block, n)
+            idx = self._positions(e, layer, first_block, src.shape[0])
             e.io += 1
             e.writes += 1
             loc = e.loc[idx].copy()
@@ -221,20 +221,21 @@ class TieredStore:
         with self._cond:
             return self._live(key).checksums
 
-    def read_into(self, key: str, layer: int, first_block: int, out: Any, *, unsealed: bool = False) -> None:
-        """Copy n slots into `out` (writable, n*slot_bytes) from wherever they live. Slots on NVMe
-        are promoted to DRAM on the way when free DRAM allows (never by evicting anything).
+    def read_into(self, key: str, layer: int | Sequence[int], first_block: int, out: Any, *,
+                  unsealed: bool = False) -> None:
+        """Copy n slots into `out` (writable, n*slot_bytes) from wherever they live; with a list of
+        layers, n slots per layer, layer after layer (one call for every layer of a prompt). Slots
+        on NVMe are promoted to DRAM on the way when free DRAM allows (never by evicting anything).
         unsealed=True (push mode) reads already written slots of an entry still being staged,
         without promoting them."""
         dst = as_slots(out, self.slot_bytes, writable=True, what="read_into out")
-        n = dst.shape[0]
         with self._cond:
             e = self._readable(key, unsealed)
-            idx = self._slice(e, layer, first_block, n)
+            idx = self._positions(e, layer, first_block, dst.shape[0])
             if unsealed and not e.written[idx].all():
-                raise ValueError(f"transfer {key!r}: layer {layer} blocks [{first_block}, {first_block + n}) "
-                                 "are not all written yet")
-            on_nvme = np.flatnonzero(e.loc[idx] < 0) + idx.start
+                raise ValueError(f"transfer {key!r}: layer(s) {layer} from block {first_block}: "
+                                 f"{dst.shape[0]} slots are not all written yet")
+            on_nvme = _positions_where(idx, e.loc[idx] < 0)
             if on_nvme.size and not unsealed and not e.restoring and self._arena.free_slots >= on_nvme.size:
                 try:
                     self._restore_locked(e, on_nvme, allow_spill=False)
@@ -453,6 +454,23 @@ class TieredStore:
             raise IndexError(f"blocks [{first_block}, {first_block + n}) out of range [0, {e.num_blocks}) "
                              f"for {e.key!r}")
         return e.index(int(layer), int(first_block), n)
+
+    @classmethod
+    def _positions(cls, e: Entry, layer: int | Sequence[int], first_block: int, rows: int) -> slice | np.ndarray:
+        """Positions in e.loc of `rows` slots: n blocks from first_block of one layer (a slice) or
+        of each of a list of layers, layer after layer (an index array; a slice when contiguous)."""
+        if isinstance(layer, (int, np.integer)):
+            return cls._slice(e, int(layer), first_block, rows)
+        layers = [int(x) for x in layer]
+        if not layers or rows % len(layers):
+            raise ValueError(f"{rows} slots do not divide into the {len(layers)} layers {layers[:8]}")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layers {layers[:8]} repeat")
+        n = rows // len(layers)
+        parts = [cls._slice(e, x, first_block, n) for x in layers]
+        if all(b.start == a.stop for a, b in zip(parts, parts[1:])):
+            return slice(parts[0].start, parts[-1].stop)  # whole consecutive layers: one slice
+        return np.concatenate([np.arange(p.start, p.stop) for p in parts])
 
     def _expire_locked(self) -> list[str]:
         now = self.clock.now()
@@ -688,3 +706,9 @@ class TieredStore:
                                self.slot_bytes, self._arena.base_address, self._arena.shm_path)
         self.stats.add(pins=1)
         return e, view
+
+
+def _positions_where(idx: slice | np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The entries of `idx` (a slice or an index array into e.loc) where `mask` (over idx) holds."""
+    hits = np.flatnonzero(mask)
+    return hits + idx.start if isinstance(idx, slice) else idx[hits]

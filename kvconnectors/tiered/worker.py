@@ -52,6 +52,7 @@ TRANSIENT = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT, Fail
 # one that never connected keeps it: the consumer pulls instead.
 _PUSH_LOST = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT})
 FIRST_CHUNK_GRACE_S = 5.0  # push: no chunk of a transfer landed by then -> pull from the producer
+LANDED_READ_BYTES = 32 << 20  # push: bytes copied out of the landing store per read_into call
 
 
 class TieredConnectorWorker:
@@ -85,6 +86,7 @@ class TieredConnectorWorker:
         self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-stage")
         self._staging: list = []                     # this step's copy futures
         self._push_layers: dict[str, list[int]] = {}  # transfer -> staged layers not yet pushed
+        self._layers_this_step: dict[str, int] = {}   # transfer -> layers staged in this step
         self._push_targets: dict[str, tuple[str, int]] = {}
         self._stage_lock = threading.RLock()
         self.pusher: PushSender | None = None
@@ -197,11 +199,18 @@ class TieredConnectorWorker:
         for i, row in enumerate(data):
             sums[spec.first_block + i] = xxhash.xxh3_64_intdigest(row)
         self._record("record_staged", data.nbytes, len(spec.block_ids))
-        if tid in self._push_targets:
-            pending = self._push_layers.setdefault(tid, [])
+        pending = self._push_layers.setdefault(tid, []) if tid in self._push_targets else None
+        if pending is not None:
             pending.append(layer)
-            if spec.layerwise and len(pending) >= self.config.layer_group_size:
-                self._push_group(spec)
+        staged = self._layers_this_step[tid] = self._layers_this_step.get(tid, 0) + 1
+        if spec.seal and staged == self.layout.num_layers:
+            # The prompt's last layer is staged: seal it and send its last group (with the seal)
+            # from here, not after the forward thread's wait_for_save: one hand-off less between
+            # the last layer's compute and the decode instance having everything.
+            if self._seal_transfer(spec) and self.server is not None:
+                self.server.notify_sealed()
+        elif pending is not None and spec.layerwise and len(pending) >= self.config.layer_group_size:
+            self._push_group(spec)
 
     def _rank_target(self, target: str) -> tuple[str, int]:
         host, port = parse_target(target)
@@ -231,6 +240,7 @@ class TieredConnectorWorker:
             fut.result()
         with self._stage_lock:  # the push sender may fail a transfer meanwhile
             self._seal_step(meta)
+            self._layers_this_step.clear()
 
     def _seal_step(self, meta: TieredConnectorMetadata) -> None:
         sealed = False
@@ -252,6 +262,12 @@ class TieredConnectorWorker:
             if tid in self._push_targets:
                 self._push_group(spec)  # this step's last group; the prompt goes on next step
             return False
+        return self._seal_transfer(spec)  # unless the stager did at the last layer
+
+    def _seal_transfer(self, spec: SaveSpec) -> bool:
+        """Seal a completely staged prompt; in push mode send its last group, sealing the landing
+        copy too. False if there is nothing to seal (already sealed, failed, never staged)."""
+        tid = spec.transfer_id
         sums = self._checksums.get(tid)
         if sums is None:
             return False
@@ -445,16 +461,22 @@ class TieredConnectorWorker:
         self.landing.wait(tid, deadline, time.monotonic() + min(FIRST_CHUNK_GRACE_S, self.config.load_timeout_s / 2))
         try:
             ids = np.asarray(targets)
+            n, layers = len(targets), self.layout.num_layers
             # read_into, not pinning: part of a landed entry may sit on NVMe, and DRAM may be too
-            # short to hold all of it at once.
-            buf = np.empty((len(targets), self.store.slot_bytes), dtype=np.uint8)
-            for layer in range(self.layout.num_layers):
+            # short to hold all of it at once. Several layers per call (this runs on the critical
+            # path, after the last push): per-call costs, not bytes, dominate small prompts.
+            per_read = max(1, min(layers, LANDED_READ_BYTES // (n * self.store.slot_bytes)))
+            buf = np.empty((per_read * n, self.store.slot_bytes), dtype=np.uint8)
+            for first in range(0, layers, per_read):
+                group = range(first, min(first + per_read, layers))
+                rows = buf[:len(group) * n]
                 try:
-                    self.store.read_into(tid, layer, first_block, buf)
+                    self.store.read_into(tid, list(group), first_block, rows)
                 except OSError as exc:  # the landing copy's disk tier failed: pull instead
                     raise TransferError(FailureCause.PROTOCOL, f"reading the landed copy failed: {exc}") from None
-                self._blocks[layer][ids] = buf
-            return len(targets) * self.layout.num_layers * self.store.slot_bytes
+                for i, layer in enumerate(group):
+                    self._blocks[layer][ids] = rows[i * n:(i + 1) * n]
+            return n * layers * self.store.slot_bytes
         finally:
             self.landing.forget(tid)
             try:

@@ -272,9 +272,7 @@ class Landing:
                         f"pushed transfer {msg.transfer_id!r}: layer {layer} block {block} has checksum "
                         f"{got:016x}, producer staged {want:016x}"))
         try:
-            for j, layer in enumerate(msg.layers):
-                self.store.write(msg.transfer_id, layer, msg.first_block,
-                                 buf[j * msg.num_blocks:(j + 1) * msg.num_blocks])
+            self.store.write(msg.transfer_id, msg.layers, msg.first_block, buf)  # the group in one call
         except OSError as exc:
             raise TransferError(FailureCause.STORE_FULL, f"landing store write failed: {exc}") from None
 

@@ -8,7 +8,8 @@ own staged copy (pinned while they go out), so vLLM may reuse its KV blocks as s
 `wait_for_save` has returned.
 
 When a push fails, later jobs of that transfer are skipped and `on_done(transfer_id, error)` is
-called once, so the worker can decide what the staged copy is still good for.
+called once, so the worker can decide what the staged copy is still good for. A job that aborts a
+transfer (the producer gave up on it) only tells the landing side; it reports nothing back.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ class PushSender:
                 raise
             if job.abort is not None or (job.end and not job.layers):
                 client.push_end(tid, deadline, job.abort)
-                self._on_done(tid, job.abort)
+                if job.abort is None:  # an abort is the producer's own decision: nothing to report back
+                    self._on_done(tid, None)
                 return
             self._push(client, job, deadline)
             if job.end:  # its Push carried seal=True

@@ -238,6 +238,12 @@ def test_layerwise_smoke(tmp_path):
         assert isinstance(s["met_overhead"], bool)
         assert s["link_bound"] == (em["transfer_per_layer"] > em["compute_per_layer"])
         assert (s["met_max_plus_group"] is None) != s["link_bound"]
+        assert em["software_tail"] == on_disk["instant_link"]["software_tail_s"]
+        assert em["transfer_exposed"] == pytest.approx(em["overhead"] - em["software_tail"])
+    ctl = on_disk["instant_link"]  # the control: the same layer-wise run with no link emulation
+    (run,) = ctl["runs"]
+    assert run["verified"] is True and run["pushes"] == 2 and ctl["copy_s"] > 0
+    assert ctl["software_tail_s"] == pytest.approx(run["ttft_s"] - prefill) and ctl["software_tail_s"] > 0
     sp = on_disk["short_prompts"]
     assert [r["tokens"] for r in sp["rows"]] == [16, 64]
     for r in sp["rows"]:

@@ -197,6 +197,7 @@ def test_abort_reaches_the_landing_side_with_its_cause(pair) -> None:
     with pytest.raises(TransferError) as exc:
         pair.landing.wait("gone", time.monotonic() + 1, time.monotonic() + 1)
     assert exc.value.cause is FailureCause.STORE_FULL and "producer full" in str(exc.value)
+    assert "gone" not in pair.done  # the producer's own abort is not reported back as a push failure
 
 
 def test_a_transfer_nobody_pushed_is_reported_after_the_grace(pair) -> None:

@@ -78,6 +78,38 @@ def test_roundtrip_partial_writes_and_reads(store):
     assert st["creates"] == 1 and st["puts"] == 4 and st["bytes_written_dram"] == 8 * S and st["hits_dram"] == 3
 
 
+def test_layer_groups_in_one_call(tmp_path):
+    """write/read_into with a list of layers: n slots per layer, layer after layer; consecutive
+    or not, partly on NVMe, and the unsealed (push) read of written slots only."""
+    s = make(tmp_path, dram_slots=8, nvme_slots=16)
+    try:
+        data = payload("g", 4, 3)
+        s.create("g", 4, 3)
+        s.write("g", [2, 0], 1, np.concatenate([data[2, 1:], data[0, 1:]]))   # not consecutive
+        s.write("g", [1, 2, 3], 0, data[1:, :1].copy())                       # n = 1 block per layer
+        s.write("g", [0], 0, data[0, :1])
+        out = np.empty((2 * 2, S), np.uint8)
+        s.read_into("g", [2, 0], 1, out, unsealed=True)
+        assert np.array_equal(out, np.concatenate([data[2, 1:], data[0, 1:]]))
+        with pytest.raises(ValueError, match="not all written"):
+            s.read_into("g", [1, 3], 1, out, unsealed=True)
+        s.write("g", [1, 3], 1, np.concatenate([data[1, 1:], data[3, 1:]]))
+        s.seal("g")
+        put(s, "h", 2, 4)  # DRAM full: part of "g" spills to NVMe
+        assert s.info("g").nvme_slots > 0
+        every = np.empty((4 * 3, S), np.uint8)
+        s.read_into("g", [0, 1, 2, 3], 0, every)
+        assert np.array_equal(every, data.reshape(-1, S))
+        for bad, err in (([0, 0], "repeat"), ([], "do not divide"), ([0, 1, 2], "do not divide")):
+            with pytest.raises(ValueError, match=err):
+                s.read_into("g", bad, 0, np.empty((4, S), np.uint8))
+        with pytest.raises(IndexError):
+            s.read_into("g", [0, 4], 0, np.empty((2, S), np.uint8))
+        s.audit()
+    finally:
+        s.close()
+
+
 def test_create_argument_errors(store):
     store.create("a", 1, 1)
     with pytest.raises(ValueError, match="already exists"):
