@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -169,3 +169,26 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 def description(doc: str | None) -> str:
     """A module docstring up to its "Usage:" paragraph."""
     return (doc or "").split("\nUsage:")[0].strip()
+
+
+def module_main(module: str, doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None],
+                run: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.X`: the benchmark's own flags and help (the same as `kvconnectors bench X`)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description(doc),
+                                     formatter_class=HelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def publish(result: dict[str, Any], out: str | os.PathLike | None, stem: str,
+            plot: Callable[[dict[str, Any], Path], None], render: Callable[[dict[str, Any]], str],
+            quiet: bool = False) -> dict[str, Any]:
+    """Write a benchmark's JSON and PNG under `out` (their paths go into result["files"]) and print
+    its tables unless quiet; returns the result."""
+    d = out_dir(out)
+    result["files"] = {"json": str(d / f"{stem}.json"), "png": str(d / f"{stem}.png")}
+    write_json(d / f"{stem}.json", result)
+    plot(result, d / f"{stem}.png")
+    if not quiet:
+        print(render(result))
+    return result

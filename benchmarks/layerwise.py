@@ -95,8 +95,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.common import (DEFAULT_OUT, HelpFormatter, description, host_info, out_dir, progress, setup_env,
-                               table, write_json)
+from benchmarks.common import (DEFAULT_OUT, host_info, module_main, progress, publish, setup_env, table)
 
 setup_env()  # harmless here (no NIXL on this path), but keeps UCX sane if a store server ever loads it
 
@@ -595,14 +594,7 @@ def run_layerwise(preset: str = "8b", tokens: int = 2000, block_tokens: int = 16
     result["host"] = host_info()
     result["errors"] = errors
     result["wall_s"] = time.perf_counter() - t_start
-    d = out_dir(out)
-    stem = f"layerwise_{preset}_{tokens}tok_g{group}"
-    result["files"] = {"json": str(d / f"{stem}.json"), "png": str(d / f"{stem}.png")}
-    write_json(d / f"{stem}.json", result)
-    _plot(result, d / f"{stem}.png")
-    if not quiet:
-        print(render(result))
-    return result
+    return publish(result, out, f"layerwise_{preset}_{tokens}tok_g{group}", _plot, render, quiet)
 
 
 def _describe(exc: BaseException) -> str:
@@ -964,10 +956,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.layerwise", description=description(__doc__),
-                                     formatter_class=HelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return module_main("benchmarks.layerwise", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

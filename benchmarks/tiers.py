@@ -55,8 +55,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import (DEFAULT_OUT, HelpFormatter, bar_chart, description, host_info, out_dir, progress,
-                               ratio, table, write_json)
+from benchmarks.common import (DEFAULT_OUT, bar_chart, host_info, module_main, progress, publish, ratio,
+                               table)
 from benchmarks.transfer import PRESETS
 
 TARGET = 0.8
@@ -384,14 +384,7 @@ def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 1
                                         entry_tokens=entry_tokens, block_tokens=block_tokens, parent=str(parent)),
                      io_mode=io_mode, mode_reasons=mode_reasons, raw_mode=raw_mode, verified=verified,
                      wall_s=time.perf_counter() - t_start, memory=memory)
-    d = out_dir(out)
-    stem = f"tiers_{preset}_{budget >> 20}MiB"
-    result["files"] = {"json": str(d / f"{stem}.json"), "png": str(d / f"{stem}.png")}
-    write_json(d / f"{stem}.json", result)
-    _plot(result, d / f"{stem}.png")
-    if not quiet:
-        print(render(result))
-    return result
+    return publish(result, out, f"tiers_{preset}_{budget >> 20}MiB", _plot, render, quiet)
 
 
 def _iov_max() -> int:
@@ -615,10 +608,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=description(__doc__),
-                                     formatter_class=HelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return module_main("benchmarks.tiers", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -52,8 +52,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from benchmarks.common import (DEFAULT_OUT, HelpFormatter, bar_chart, description, host_info, out_dir, progress,
-                               ratio, setup_env, summarize, table, write_json)
+from benchmarks.common import (DEFAULT_OUT, bar_chart, host_info, module_main, progress, publish, ratio,
+                               setup_env, summarize, table)
 
 setup_env()  # before anything can load NIXL / UCX / Mooncake; spawned children inherit it
 
@@ -705,14 +705,7 @@ def run_transfer(preset: str = "8b", tokens: int = 2048, block_tokens: int = 16,
             producer.close()
 
     result = _result(geom, names, status, consumer, checksum, iters, warmup, seed, time.perf_counter() - t_start)
-    d = out_dir(out)
-    stem = f"transfer_{preset}_{tokens}tok_b{block_tokens}{'' if checksum else '_nocsum'}"
-    result["files"] = {"json": str(d / f"{stem}.json"), "png": str(d / f"{stem}.png")}
-    write_json(d / f"{stem}.json", result)
-    _plot(result, d / f"{stem}.png")
-    if not quiet:
-        print(render(result))
-    return result
+    return publish(result, out, f"transfer_{preset}_{tokens}tok_b{block_tokens}{'' if checksum else '_nocsum'}", _plot, render, quiet)
 
 
 def _result(geom: Geometry, names: list[str], status: dict, consumer: Consumer | None, checksum: bool,
@@ -825,10 +818,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.transfer", description=description(__doc__),
-                                     formatter_class=HelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return module_main("benchmarks.transfer", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

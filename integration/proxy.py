@@ -27,7 +27,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import re
 import signal
 import sys
 import time
@@ -42,13 +41,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from yarl import URL
 
+# why a decode's KV load failed, as TieredConnector words it (kvconnectors/errors.py imports no vLLM)
+from kvconnectors.errors import CLIENT_ERROR_CAUSE
+
 log = logging.getLogger("kvconnectors.proxy")
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MODE_HEADER = "X-KV-Transfer-Mode"
 MODES = ("pull", "push")
-# A decode instance running TieredConnector says why a KV load failed (kvconnectors/tiered/client_errors.py)
-KV_CAUSE = re.compile(r"KV transfer failed \[(\w+)\]: ")
 # Headers passed on to both legs (vLLM may run with --api-key).
 FORWARDED_HEADERS = ("Authorization",)
 
@@ -672,7 +672,7 @@ class PDProxy:
                             fail.labels("http_4xx").inc()
                             raise PassThrough(up.status, data, up.content_type)
                         text = _snippet(data)
-                        cause = KV_CAUSE.search(text)
+                        cause = CLIENT_ERROR_CAUSE.search(text)
                         if cause is not None:  # TieredConnector names why the load failed
                             fail.labels(f"kv_{cause.group(1)}").inc()
                             raise ProxyError(502, "kv_transfer_error", f"decode instance {inst.url} could not "

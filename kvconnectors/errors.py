@@ -4,6 +4,16 @@ client, the logs and the metrics all say *what* failed, not just that something 
 from __future__ import annotations
 
 import enum
+import re
+
+# How a KV load failure reads in the client's error (tiered/client_errors.py writes it, the proxy parses
+# it): "KV transfer failed [checksum_mismatch]: ...". Here, not there: the proxy must not import vLLM.
+CLIENT_ERROR_PREFIX = "KV transfer failed"
+CLIENT_ERROR_CAUSE = re.compile(re.escape(CLIENT_ERROR_PREFIX) + r" \[(\w+)\]: ")
+
+
+def client_error_message(cause: str, text: str) -> str:
+    return f"{CLIENT_ERROR_PREFIX} [{cause}]: {text}"
 
 
 class FailureCause(str, enum.Enum):

@@ -21,17 +21,16 @@ cause is still in the decode instance's log and in `kvconnectors:transfer_failur
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
+
+from kvconnectors.errors import client_error_message
 
 logger = logging.getLogger(__name__)
 
 MAX_REMEMBERED = 4096       # failures kept while their error output is on its way
 TTL_S = 300.0
-PREFIX = "KV transfer failed"
-CAUSE_RE = re.compile(r"KV transfer failed \[(\w+)\]: ")
 
 _lock = threading.Lock()
 _failures: OrderedDict[str, tuple[str, str, float]] = OrderedDict()  # engine request id -> (cause, msg, t)
@@ -62,7 +61,7 @@ def take(api_request_id: str) -> tuple[str, str] | None:
 
 
 def message(cause: str, text: str) -> str:
-    return f"{PREFIX} [{cause}]: {text}"
+    return client_error_message(cause, text)
 
 
 def install() -> bool:

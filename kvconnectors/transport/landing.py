@@ -107,7 +107,7 @@ class Landing:
             self._check_shape(msg)
         except TransferError as exc:
             self._fail(msg.transfer_id, exc, conn)
-            _reply(sock, exc)
+            wire.send_refusal(sock, exc)
             if inline and msg.nbytes:
                 _hang_up(sock)  # sizes we cannot trust: the unread bytes would be taken for a frame
             return
@@ -123,7 +123,7 @@ class Landing:
             if inline and not self._drain(sock, msg.nbytes, conn):
                 return
             self._fail(msg.transfer_id, exc, conn)
-            _reply(sock, exc)
+            wire.send_refusal(sock, exc)
             return
         try:
             if inline:
@@ -139,7 +139,7 @@ class Landing:
                 self._land_nixl(msg, conn)
         except TransferError as exc:
             self._fail(msg.transfer_id, exc, conn)
-            _reply(sock, exc)
+            wire.send_refusal(sock, exc)
             return
         with self._cond:
             self.counters["pushes"] += 1
@@ -189,7 +189,7 @@ class Landing:
             err = exc if isinstance(exc, TransferError) else TransferError(
                 FailureCause.PROTOCOL, f"pushed transfer {tid!r} is incomplete: {exc}")
             self._fail(tid, err, conn)
-            _reply(sock, err)
+            wire.send_refusal(sock, err)
             return
         with self._cond:
             self.counters["landed"] += 1
@@ -330,13 +330,6 @@ class Landing:
         if self._sink is not None:
             self._sink.close()
             self._sink = None
-
-
-def _reply(sock: socket.socket, exc: TransferError) -> None:
-    try:
-        wire.send_msg(sock, wire.Ack(ok=False, cause=exc.cause.value, message=str(exc).split("] ", 1)[-1]))
-    except OSError:
-        pass
 
 
 def _hang_up(sock: socket.socket) -> None:

@@ -146,7 +146,7 @@ class StoreServer:
                 except TransferError as exc:
                     if exc.cause is FailureCause.PROTOCOL:
                         self.counters.reject("protocol")
-                        self._reply_error(sock, exc)
+                        wire.send_refusal(sock, exc)
                     return  # peer closed, idle or sent garbage: drop the connection only
                 self._dispatch(sock, msg, conn)
         except OSError:
@@ -213,7 +213,7 @@ class StoreServer:
             elif isinstance(msg, (wire.Push, wire.PushEnd)):
                 if self.landing is None:
                     if isinstance(msg, wire.Push) and msg.data_path == "inline" and msg.nbytes:
-                        self._reply_error(sock, TransferError(FailureCause.PROTOCOL, (
+                        wire.send_refusal(sock, TransferError(FailureCause.PROTOCOL, (
                             "this store server does not accept pushes (start the consumer with "
                             "transfer_mode 'push')")))
                         sock.shutdown(socket.SHUT_RDWR)  # the pushed bytes are not read
@@ -228,7 +228,7 @@ class StoreServer:
                 raise TransferError(FailureCause.PROTOCOL, f"unexpected message {type(msg).__name__}")
         except TransferError as exc:
             self.counters.reject(exc.cause.value)
-            self._reply_error(sock, exc, read=isinstance(msg, wire.Read))
+            wire.send_refusal(sock, exc, read=isinstance(msg, wire.Read))
 
     def _fault(self, msg: wire.Message) -> FaultRule | None:
         if self.faults is None:
@@ -241,16 +241,6 @@ class StoreServer:
             if fault.action == "delay":
                 time.sleep(fault.delay_s)
         return fault
-
-    @staticmethod
-    def _reply_error(sock: socket.socket, exc: TransferError, read: bool = False) -> None:
-        text = str(exc).split("] ", 1)[-1]
-        reply = (wire.ReadReply(ok=False, cause=exc.cause.value, message=text) if read
-                 else wire.Ack(ok=False, cause=exc.cause.value, message=text))
-        try:
-            wire.send_msg(sock, reply)
-        except OSError:
-            pass
 
     # ------------------------------------------------------------------ requests
     def _validate_read(self, msg: wire.Read) -> None:

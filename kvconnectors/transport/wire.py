@@ -166,6 +166,18 @@ def send_msg(sock: socket.socket, msg: Message) -> None:
     sock.sendall(_LEN.pack(len(payload)) + payload)
 
 
+def send_refusal(sock: socket.socket, exc: TransferError, read: bool = False) -> None:
+    """Answer a request with its typed failure (a ReadReply for a Read, else an Ack), best effort:
+    a peer that is already gone needs no answer."""
+    text = str(exc).split("] ", 1)[-1]  # the cause travels in its own field
+    reply = (ReadReply(ok=False, cause=exc.cause.value, message=text) if read
+             else Ack(ok=False, cause=exc.cause.value, message=text))
+    try:
+        send_msg(sock, reply)
+    except OSError:
+        pass
+
+
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill `view` from the socket; the deadline bounds the whole read, not each recv."""
     got, n = 0, len(view)

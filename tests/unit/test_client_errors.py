@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvconnectors.errors import CLIENT_ERROR_CAUSE
 from kvconnectors.tiered import client_errors
 from kvconnectors.tiered.stats import TieredStats
 
@@ -17,7 +18,7 @@ def test_the_cause_replaces_vllms_generic_error() -> None:
     with pytest.raises(GenerationError) as exc:
         GenerateBaseServing._raise_if_error(None, "error", "cmpl-abc")
     assert str(exc.value) == "KV transfer failed [checksum_mismatch]: block 3 of 12 differs"
-    assert client_errors.CAUSE_RE.search(str(exc.value)).group(1) == "checksum_mismatch"
+    assert CLIENT_ERROR_CAUSE.search(str(exc.value)).group(1) == "checksum_mismatch"
     # taken once; an unrelated failure keeps vLLM's own error; a normal finish raises nothing
     with pytest.raises(GenerationError, match="Internal server error"):
         GenerateBaseServing._raise_if_error(None, "error", "cmpl-abc")
