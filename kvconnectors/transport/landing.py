@@ -36,6 +36,10 @@ from kvconnectors.transport.faults import FaultRule, corrupted
 logger = logging.getLogger(__name__)
 MAX_FAILURES = 10_000              # remembered landing failures (oldest forgotten first)
 NIXL_BOUNCE_BYTES = 64 << 20       # registered once; larger pushes are READ in pieces
+# A NIXL READ holds the landing side's one bounce buffer, so a stalled producer blocks every other
+# producer's nixl pushes into this store: bound each READ by its size at a rate far below any link's.
+NIXL_READ_FLOOR_S = 5.0
+NIXL_READ_MIN_BYTES_PER_S = 50e6
 
 
 class ConnectionState:
@@ -296,7 +300,7 @@ class Landing:
                 meta = msg.nixl_agent_meta or b""
                 sink.read(f"push-{xxhash.xxh3_64_hexdigest(meta)}", meta,
                           np.uint64(msg.nixl_base_address) + offsets[start:start + n], local, slot,
-                          time.monotonic() + 60)
+                          read_deadline(n * slot))
                 if out is None:
                     self._land(msg, dst, None)
                     return
@@ -330,6 +334,11 @@ class Landing:
         if self._sink is not None:
             self._sink.close()
             self._sink = None
+
+
+def read_deadline(nbytes: int) -> float:
+    """When a NIXL READ of `nbytes` into the bounce buffer must have finished."""
+    return time.monotonic() + min(60.0, NIXL_READ_FLOOR_S + nbytes / NIXL_READ_MIN_BYTES_PER_S)
 
 
 def _hang_up(sock: socket.socket) -> None:

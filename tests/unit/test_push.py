@@ -359,3 +359,45 @@ def test_a_consumer_that_gave_up_refuses_what_still_comes(pair) -> None:
     assert pair.sender.flush(5)
     assert pair.done["late"].refused and pair.dst.usage()["entries"] == 0
     assert pair.src.contains("late"), "the producer must keep its copy for the consumer's pull"
+
+
+def test_a_stalled_nixl_producer_holds_the_landing_side_for_a_bounded_time() -> None:
+    """The landing side READs nixl pushes through one bounce buffer: a producer that stops answering
+    must not hold it for a minute. Each READ's deadline follows its size (a floor of a few seconds),
+    and the READ that runs out fails that transfer alone."""
+    from kvconnectors.transport import landing as landing_mod
+    from kvconnectors.transport.landing import ConnectionState
+
+    deadlines: list[float] = []
+
+    class StalledSink:  # the producer never completes the READ: wait out the deadline, as NixlSink does
+        def register_regions(self, regions) -> None:
+            pass
+
+        def read(self, key, meta, remote, local, length, deadline) -> int:
+            deadlines.append(deadline - time.monotonic())
+            raise TransferError(FailureCause.TIMEOUT, f"NIXL READ of {len(local)} blocks: deadline passed")
+
+        def close(self) -> None:
+            pass
+
+    store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=64 * SLOT, lease_ttl_s=30))
+    landing = Landing(store, fingerprint=FP, num_layers=LAYERS, nixl_sink_factory=StalledSink)
+    try:
+        msg = wire.Push(transfer_id="stalled", num_layers=LAYERS, total_blocks=BLOCKS, fingerprint=FP, layers=[0, 1],
+                        first_block=0, num_blocks=BLOCKS, data_path="nixl", offsets=list(range(2 * BLOCKS)),
+                        nixl_agent_meta=b"meta", nixl_base_address=1 << 20)
+        conn = ConnectionState("producer")
+        landing._ensure_entry(msg, conn)
+        with pytest.raises(TransferError) as exc:
+            landing._land_nixl(msg, conn)
+        assert exc.value.cause is FailureCause.TIMEOUT
+        (left,) = deadlines
+        assert landing_mod.NIXL_READ_FLOOR_S - 1 < left <= landing_mod.NIXL_READ_FLOOR_S + 0.01  # 48 KiB: the floor
+        big = 30 * landing_mod.NIXL_READ_MIN_BYTES_PER_S
+        assert landing_mod.read_deadline(int(big)) - time.monotonic() == pytest.approx(
+            landing_mod.NIXL_READ_FLOOR_S + 30, abs=1)
+        assert landing_mod.read_deadline(1 << 40) - time.monotonic() <= 60
+    finally:
+        landing.close()
+        store.close()
