@@ -10,11 +10,14 @@
   write+read from page-aligned memory; EINVAL at either step means "buffered" (or a ConfigError when
   o_direct is forced on). Caller buffers that are not page-aligned go through a per-thread
   page-aligned bounce buffer.
-- Files are named `kvc-<instance>-<pid>-<n>.kv`. Start-up cleanup rule: a `kvc-*.kv` file in an
-  NVMe directory is removed iff its flock can be taken. A live store holds an exclusive flock on its
-  files for its whole life and the kernel drops it when the process exits or crashes, so this
-  removes exactly the files of dead stores -- of any instance name, and without trusting pids
-  (pid reuse, pid namespaces). Files of live stores (this process or another) are left alone.
+- Files are created as `kvc-<instance>-<pid>-<n>.kv` and their name is removed as soon as both
+  descriptors are open: the preallocated space stays the store's while it runs, and the kernel
+  frees it when the process ends, however it ends (vLLM SIGKILLs its workers at shutdown).
+  Start-up cleanup for what a crash inside that short window (or an older version) left: a
+  `kvc-*.kv` file in an NVMe directory is removed iff its flock can be taken. A store holds an
+  exclusive flock on its file from creation and the kernel drops it when the process exits, so
+  this removes exactly the files of dead stores -- of any instance name, and without trusting
+  pids (pid reuse, pid namespaces). Files of live stores (this process or another) are left alone.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def cleanup_leftovers(directory: str) -> list[str]:
 @dataclass
 class ExtentFile:
     directory: str
-    path: str
+    path: str                # the name it was created under (removed once open)
     capacity: int            # extents (slots)
     lock_fd: int             # holds the ownership flock
     io_fd: int               # O_DIRECT fd, or lock_fd when buffered
@@ -126,9 +129,9 @@ class NvmeTier:
             raise ConfigError("nvme_bytes", self.per_dir * self.slot_bytes * len(self.dirs),
                               f"cannot preallocate {format_size(size)} in {d}: {exc.strerror}") from None
         direct_fd, reason = self._try_direct(path, o_direct)
+        os.unlink(path)  # nameless from now on: nothing to leak, even after a SIGKILL
         if direct_fd is None and o_direct is True:
             os.close(fd)
-            os.unlink(path)
             raise ConfigError("o_direct", True, f"{d} refuses O_DIRECT: {reason}")
         return ExtentFile(d, path, self.per_dir, fd, direct_fd if direct_fd is not None else fd,
                           direct_fd is not None, reason)

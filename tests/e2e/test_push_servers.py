@@ -115,14 +115,8 @@ def test_small_dram_spills_both_sides_and_reports_disk_hits(deep_model, prompts,
     assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="disk") > 0
     assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="host") > 0
     assert total(p, "kvconnectors:store_hits_nvme_total") > 0, "the prefill pushed nothing from its NVMe tier"
-    # vLLM SIGKILLs its workers at shutdown, so their extent files may outlive them; the next store
-    # started on the directory removes them (the dead owners' flocks are gone), and its own on close.
-    left = list((tmp_path / "nvme").glob("*.kv"))
-    from kvconnectors.store import StoreConfig, TieredStore
-
-    with TieredStore(StoreConfig(slot_bytes=4096, dram_bytes=4096 * 4, nvme_dirs=[str(tmp_path / "nvme")],
-                                 nvme_bytes=4096 * 16)) as store:
-        assert sorted(store.removed_leftovers) == sorted(str(f) for f in left)
+    # vLLM SIGKILLs its workers at shutdown: the stores never close, yet nothing is left on disk
+    # (an extent file's name is removed as soon as it is open; the kernel frees the space).
     assert not list((tmp_path / "nvme").glob("*.kv")), "NVMe extent files left behind"
 
 

@@ -456,8 +456,8 @@ def test_striping_and_coalescing(tmp_path):
         info = s.info("a")
         assert sorted(info.nvme_slots_by_dir.values()) == [4, 4], info
         assert s._nvme.write_ios - ios == 2  # adjacent extents coalesced: one pwritev per directory
-        sizes = {os.path.getsize(tmp_path / d / os.listdir(tmp_path / d)[0]) for d in ("nvme0", "nvme1")}
-        assert sizes == {8 * S}  # preallocated: budget / number of dirs
+        sizes = {os.fstat(f.lock_fd).st_size for f in s._nvme.files}
+        assert len(s._nvme.files) == 2 and sizes == {8 * S}  # preallocated: budget / number of dirs
         reads = s._nvme.read_ios
         assert np.array_equal(read_all(s, "a", 2, 4), a)
         assert s._nvme.read_ios - reads == 4  # per layer: 2 slots in each directory, one preadv each
@@ -480,10 +480,12 @@ def test_files_are_removed_on_close_and_leftovers_on_start(tmp_path):
         s = make(tmp_path, ndirs=2)
         assert str(stale) in s.removed_leftovers and not stale.exists()
         assert alive.exists() and foreign.exists()
-        mine = [f for f in files(tmp_path) if "kvc-default-" in f]
-        assert len(mine) == 2 and all(f"-{os.getpid()}-" in f for f in mine)
-        s2 = make(tmp_path, ndirs=2)          # a second live store leaves the first one's files alone
-        assert not s2.removed_leftovers and len(files(tmp_path)) == 5
+        # Its own files have no name once open (the kernel frees them when the process ends, even
+        # killed), yet hold the preallocated space.
+        assert files(tmp_path) == ["nvme0/kvc-other-1-0.kv"]
+        assert [(st.st_nlink, st.st_size) for st in (os.fstat(f.lock_fd) for f in s._nvme.files)] == [(0, 4 * S)] * 2
+        s2 = make(tmp_path, ndirs=2)          # a second live store leaves the other live one's file alone
+        assert not s2.removed_leftovers and alive.exists()
         put(s, "a", 2, 4)
         put(s, "b", 2, 4)
         s.close()
