@@ -42,7 +42,6 @@ Usage:  python -m benchmarks.tiers --bytes 256MiB --rounds 3
 from __future__ import annotations
 
 import argparse
-import glob
 import mmap
 import os
 import shutil
@@ -124,14 +123,10 @@ def memory_backing(address: int, nbytes: int) -> dict[str, Any] | None:
             "huge_fraction_of_rss": (huge / rss) if rss else 0.0}
 
 
-def drop_cache(path: str) -> None:
-    """Write back and drop the file's cached pages (a no-op for O_DIRECT data, which skips the cache)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def drop_cache(fd: int) -> None:
+    """Write back and drop an open file's cached pages (a no-op for O_DIRECT data, which skips the cache)."""
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 class RawFile:
@@ -243,11 +238,12 @@ def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 1
         store = TieredStore(StoreConfig(slot_bytes=slot, dram_bytes=budget, nvme_dirs=[str(work / "store")],
                                         nvme_bytes=budget + entry_bytes, io_threads=io_threads, o_direct=o_direct,
                                         max_io_bytes=max_io_bytes, instance_name="benchtiers", lease_ttl_s=3600))
-        (store_file,) = glob.glob(str(work / "store" / "kvc-*.kv"))
-        # The raw file takes the NVMe mode the store actually got (O_DIRECT iff the store's file has it),
-        # so the two sides can never compare direct against buffered I/O.
+        # The raw file is the size of the store's one extent file (it has no name to look at: the
+        # store removes it once open) and takes the NVMe mode the store actually got (O_DIRECT iff
+        # the store's file has it), so the two sides can never compare direct against buffered I/O.
+        store_file_bytes = store.usage()["nvme"]["capacity_bytes"]
         store_direct = set(store.nvme_io_mode.values()) == {"direct"}
-        raw = RawFile(str(work / "raw.kv"), os.path.getsize(store_file), io_bytes, io_threads, store_direct)
+        raw = RawFile(str(work / "raw.kv"), store_file_bytes, io_bytes, io_threads, store_direct)
         mm_raw, raw_buf = _aligned(budget)
         raw_buf[:] = np.random.default_rng(seed).integers(0, 256, budget, dtype=np.uint8)
         raw_expect = raw_buf.copy()
@@ -313,8 +309,9 @@ def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 1
                     store.release(k)
 
                 def cold() -> None:
-                    drop_cache(store_file)
-                    drop_cache(raw.path)
+                    for f in getattr(nvme, "files", ()):  # the store's extent file: nameless, by descriptor
+                        drop_cache(f.lock_fd)
+                    drop_cache(raw.fd)
 
                 def store_restore() -> None:
                     cold()
