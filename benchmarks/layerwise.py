@@ -364,8 +364,6 @@ def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float,
 
     def stage(layer: int) -> None:  # the stager thread: worker.py's _stage_spec
         nonlocal ended
-        if layer == layers - 1:
-            stamps["last_stage"] = time.perf_counter() - t0
         if layer == 0:
             rig.src.create(tid, layers, blocks)
         data = kv.src[layer][sids]  # one gather copy of whole blocks
@@ -429,8 +427,7 @@ def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float,
         raise RuntimeError(f"push of {tid} failed: {err}")
     if check:
         kv.check(blocks)
-    return {"ttft_s": t_end, "compute_s": t_compute, "last_stage_s": stamps["last_stage"],
-            "sealed_s": stamps["sealed"], "landed_s": t_landed,
+    return {"ttft_s": t_end, "compute_s": t_compute, "sealed_s": stamps["sealed"], "landed_s": t_landed,
             "copy_s": t_end - t_landed, "first_submit_s": submits[0] if submits else None,
             "last_submit_s": submits[-1] if submits else None, "pushes": sender.pushes - pushes0,
             "bytes_pushed": sender.bytes_pushed - bytes0, "verified": check}

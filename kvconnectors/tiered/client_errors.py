@@ -60,10 +60,6 @@ def take(api_request_id: str) -> tuple[str, str] | None:
     return None
 
 
-def message(cause: str, text: str) -> str:
-    return client_error_message(cause, text)
-
-
 def install() -> bool:
     """Wrap vLLM's `_raise_if_error` (once per process). False when the hook is not where this
     vLLM version was known to have it; then nothing changes."""
@@ -87,7 +83,7 @@ def install() -> bool:
                 failure = take(request_id)
                 if failure is not None:
                     logger.error("Request %s failed: its KV load failed [%s]: %s", request_id, *failure)
-                    raise GenerationError(message(*failure))
+                    raise GenerationError(client_error_message(*failure))
             return original(self, finish_reason, request_id)
 
         _raise_if_error.__wrapped__ = original  # type: ignore[attr-defined]

@@ -47,9 +47,9 @@ class LeaseKeeper:
         self._thread.start()
 
     def track(self, req_id: str, addrs: list[Addr], transfer_id: str, maybe_addrs: Sequence[Addr] = ()) -> None:
-        """Renew `transfer_id` at every store in `addrs` (the producer's ranks, or for a pushed
-        request this consumer's own landing stores) and in `maybe_addrs` until untracked; a
-        "no longer held" answer counts as lost only from `addrs`."""
+        """Renew `transfer_id` at every store in `addrs` (a pulled request: the producer's ranks)
+        and in `maybe_addrs` (a pushed request: this consumer's landing stores and the producer's
+        ranks) until untracked; a "no longer held" answer counts as lost only from `addrs`."""
         with self._lock:
             self._tracked[req_id] = (list(addrs), transfer_id, [a for a in maybe_addrs if a not in addrs])
             self._beat_soon = True
