@@ -10,11 +10,16 @@ throughput of the p99 (slow-tail) iteration, i.e. the lower bound almost every i
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
 import platform
+import re
+import shlex
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -22,6 +27,10 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "artifacts" / "bench"
+RESULTS_DIR = REPO_ROOT / "docs" / "results"  # runs the README quotes (see docs/results/README.md)
+RESULT_JSON_MAX_BYTES = 50_000
+RAW_SAMPLE_KEYS = frozenset({"runs", "raw"})  # per-repetition samples: kept in artifacts/, not in docs/results
+MAX_LIST_NUMBERS = 16  # a longer list of numbers is a sample, kept as its n / min / median / max
 
 
 def setup_env() -> None:
@@ -182,13 +191,141 @@ def module_main(module: str, doc: str | None, add_arguments: Callable[[argparse.
 
 def publish(result: dict[str, Any], out: str | os.PathLike | None, stem: str,
             plot: Callable[[dict[str, Any], Path], None], render: Callable[[dict[str, Any]], str],
-            quiet: bool = False) -> dict[str, Any]:
-    """Write a benchmark's JSON and PNG under `out` (their paths go into result["files"]) and print
-    its tables unless quiet; returns the result."""
+            quiet: bool = False, results_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Write a benchmark's JSON and PNG under `out` (their paths go into result["files"]), print its
+    tables unless quiet, and with `results_dir` also save that text (the same string) and a summary
+    JSON there (save_results); returns the result."""
     d = out_dir(out)
     result["files"] = {"json": str(d / f"{stem}.json"), "png": str(d / f"{stem}.png")}
     write_json(d / f"{stem}.json", result)
     plot(result, d / f"{stem}.png")
+    text = render(result)
     if not quiet:
-        print(render(result))
+        print(text)
+    if results_dir is not None:
+        save_results(results_dir, stem, text, result)
     return result
+
+
+# ============================================================================== runs the README quotes
+def add_results_argument(parser: argparse.ArgumentParser) -> None:
+    """--results-dir, the same for every producer of README numbers."""
+    parser.add_argument("--results-dir", default=None, metavar="DIR",
+                        help="also save this run where the README can quote it: NAME.txt (the command line, "
+                             "then exactly the text printed) and NAME.json (its summary numbers), e.g. "
+                             "docs/results")
+
+
+def _program(path: str) -> str:
+    """An installed program by its name (`/x/.venv/bin/python` -> `python`); a relative one (`./dev`) as given."""
+    return Path(path).name if os.path.isabs(path) or "/bin/" in path else path
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as typed: `kvconnectors bench ...` for the console script, `python -m MODULE ...`
+    for a module run (sys.argv[0] is then the module's file path, which no reader can type)."""
+    argv = list(sys.argv if argv is None else argv)
+    prog = _program(argv[0]) if argv else "python"
+    if prog.endswith(".py"):
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        prog = f"python -m {spec.name}" if spec is not None else f"python {argv[0]}"
+    return " ".join([prog] + [shlex.quote(a) for a in argv[1:]])
+
+
+def summary_numbers(obj: Any) -> Any:
+    """`obj` without its raw samples, so the committed JSON stays small: RAW_SAMPLE_KEYS are replaced by a
+    note and a list of more than MAX_LIST_NUMBERS numbers by its n / min / median / max."""
+    if isinstance(obj, dict):
+        return {k: ("omitted: raw samples (the full run is in artifacts/)" if k in RAW_SAMPLE_KEYS
+                    else summary_numbers(v)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        numbers = [x for x in obj if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)]
+        if len(obj) > MAX_LIST_NUMBERS and len(numbers) == len(obj):
+            v = np.asarray(numbers, dtype=np.float64)
+            return {"n": int(v.size), "min": float(v.min()), "median": float(np.median(v)), "max": float(v.max())}
+        return [summary_numbers(x) for x in obj]
+    return obj
+
+
+def _git_state() -> dict[str, Any]:
+    """The commit the run was made from, and whether the tree had local changes (None: not a checkout)."""
+    def git(*args: str) -> str | None:
+        try:
+            p = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def save_results(results_dir: str | os.PathLike, name: str, text: str, result: Any,
+                 command: str | None = None) -> tuple[Path, Path]:
+    """NAME.txt: the command line, then `text` exactly as it was printed; NAME.json: the command, when,
+    the git state, the host and summary_numbers(result). The README quotes the .txt verbatim
+    (tests/unit/test_readme_results.py checks it). Returns both paths."""
+    d = Path(results_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    command = command or command_line()
+    txt, js = d / f"{name}.txt", d / f"{name}.json"
+    txt.write_text(f"{command}\n{text.rstrip()}\n")
+    record = {"command": command, "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "git": _git_state(), "host": host_info(), "result": summary_numbers(result)}
+    write_json(js, record)
+    size = js.stat().st_size
+    if size > RESULT_JSON_MAX_BYTES:  # loud, not fatal: the run is done; the README test refuses it
+        print(f"warning: {js} is {size:,} bytes (> {RESULT_JSON_MAX_BYTES:,}): too large to commit", file=sys.stderr)
+    print(f"results: {txt} and {js}", file=sys.stderr)
+    return txt, js
+
+
+def capture(results_dir: str | os.PathLike, name: str, cmd: Sequence[str], keep: str | None = None) -> int:
+    """Run `cmd`, pass its stdout through and save it as a result: NAME.txt (the command, then its stdout,
+    only the lines matching `keep` when given) and NAME.json (exit status, wall time, and every line of
+    the form `WORD {json}` parsed, e.g. the soak test's `SOAK {...}`). For producers with no
+    --results-dir of their own (the soak test, the planner, the test suite). Returns cmd's exit status."""
+    pattern = re.compile(keep) if keep else None
+    kept: list[str] = []
+    tagged: dict[str, Any] = {}
+    t0 = time.monotonic()
+    with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, text=True, bufsize=1) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            line = line.rstrip("\n")
+            if pattern is None or pattern.search(line):
+                kept.append(line)
+            m = re.search(r"(?:^|\s)([A-Z][A-Z_]*) (\{.*\})\s*$", line)  # pytest may print a prefix
+            if m:
+                try:
+                    tagged[m.group(1)] = json.loads(m.group(2))
+                except json.JSONDecodeError:
+                    pass
+    rc = proc.wait()
+    result = {"returncode": rc, "wall_s": round(time.monotonic() - t0, 1), "tagged": tagged}
+    shown = [_program(cmd[0])] + [shlex.quote(a) for a in cmd[1:]]
+    save_results(results_dir, name, "\n".join(kept), result, command=" ".join(shown))
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.common capture NAME [--keep REGEX] [--results-dir DIR] -- CMD ...`"""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # split at the first "--" by hand: argparse's REMAINDER would swallow the options after NAME
+    ours, cmd = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.common", description=capture.__doc__,
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="action", required=True)
+    p = sub.add_parser("capture", help="run a command (after --) and save its output under --results-dir")
+    p.add_argument("name", help="file stem: NAME.txt and NAME.json")
+    p.add_argument("--keep", default=None, help="regular expression: save only the stdout lines it matches")
+    p.add_argument("--results-dir", default=str(RESULTS_DIR), help="folder for NAME.txt and NAME.json")
+    args = parser.parse_args(ours)
+    if not cmd:
+        parser.error("capture: give the command after --")
+    return capture(args.results_dir, args.name, cmd, args.keep)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -95,7 +95,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.common import (DEFAULT_OUT, host_info, module_main, progress, publish, setup_env, table)
+from benchmarks.common import (DEFAULT_OUT, add_results_argument, host_info, module_main, progress, publish,
+                               setup_env, table)
 
 setup_env()  # harmless here (no NIXL on this path), but keeps UCX sane if a store server ever loads it
 
@@ -446,7 +447,7 @@ def run_layerwise(preset: str = "8b", tokens: int = 2000, block_tokens: int = 16
                   short_tokens: str | Sequence[int] | None = DEFAULT_SHORT_TOKENS, short_reps: int = 11,
                   short_us_per_token: float | str = 0.0, crossover_tolerance: float = 0.05,
                   out: str | None = None, seed: int = 0,
-                  show_progress: bool = True, quiet: bool = False) -> dict[str, Any]:
+                  show_progress: bool = True, quiet: bool = False, results_dir: str | None = None) -> dict[str, Any]:
     """Run the benchmark; print the tables (unless quiet); write JSON + PNG; return the result dict."""
     if preset not in MODEL_PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(MODEL_PRESETS)}")
@@ -591,7 +592,7 @@ def run_layerwise(preset: str = "8b", tokens: int = 2000, block_tokens: int = 16
     result["host"] = host_info()
     result["errors"] = errors
     result["wall_s"] = time.perf_counter() - t_start
-    return publish(result, out, f"layerwise_{preset}_{tokens}tok_g{group}", _plot, render, quiet)
+    return publish(result, out, f"layerwise_{preset}_{tokens}tok_g{group}", _plot, render, quiet, results_dir)
 
 
 def _describe(exc: BaseException) -> str:
@@ -932,6 +933,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory for the JSON and PNG")
     parser.add_argument("--seed", type=int, default=0, help="payload and block-table seed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_results_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -943,7 +945,8 @@ def run(args: argparse.Namespace) -> int:
                                short_tokens=None if args.no_short else args.short_tokens,
                                short_reps=args.short_reps, short_us_per_token=args.short_us_per_token,
                                crossover_tolerance=args.crossover_tolerance,
-                               out=args.out, seed=args.seed, show_progress=not args.no_progress)
+                               out=args.out, seed=args.seed, show_progress=not args.no_progress,
+                               results_dir=args.results_dir)
     except ValueError as exc:
         print(f"kvconnectors bench layerwise: {exc}", file=sys.stderr)
         return 2

@@ -35,6 +35,8 @@ import numpy as np
 from aiohttp import web
 from tqdm import tqdm
 
+from benchmarks.common import add_results_argument, save_results
+
 NIXL_STYLE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -271,15 +273,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fake aiohttp instances instead of vLLM engines: the proxy's own cost only "
                              "(written to proxy_overhead_fake.json)")
     parser.add_argument("--out", type=Path, default=Path("artifacts/bench"), help="folder for proxy_overhead.json")
+    add_results_argument(parser)
 
 
-def _print(result: dict) -> None:
+def render(result: dict) -> str:
     label = " (FAKE upstreams: the proxy's own cost, not engine latency)" if result.get("upstreams") == "fake" else ""
-    print(f"by hand   p50 {result['by_hand_ms']['p50']:8.3f} ms   p99 {result['by_hand_ms']['p99']:8.3f} ms{label}")
-    print(f"via proxy p50 {result['via_proxy_ms']['p50']:8.3f} ms   p99 {result['via_proxy_ms']['p99']:8.3f} ms")
     lo, hi = result["added_ms"]["p50_ci95"]
-    print(f"added     p50 {result['added_ms']['p50']:8.3f} ms   p99 {result['added_ms']['p99']:8.3f} ms "
-          f"(p50 95% CI {lo:.3f} .. {hi:.3f} ms; target: < 2 ms p50)")
+    return "\n".join([
+        f"by hand   p50 {result['by_hand_ms']['p50']:8.3f} ms   p99 {result['by_hand_ms']['p99']:8.3f} ms{label}",
+        f"via proxy p50 {result['via_proxy_ms']['p50']:8.3f} ms   p99 {result['via_proxy_ms']['p99']:8.3f} ms",
+        f"added     p50 {result['added_ms']['p50']:8.3f} ms   p99 {result['added_ms']['p99']:8.3f} ms "
+        f"(p50 95% CI {lo:.3f} .. {hi:.3f} ms; target: < 2 ms p50)"])
+
+
+def _report(result: dict, args: argparse.Namespace, stem: str) -> None:
+    """STEM.json under --out, the summary on stdout, and both under --results-dir when given."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    text = render(result)
+    print(text)
+    if getattr(args, "results_dir", None):
+        save_results(args.results_dir, stem, text, result)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,8 +305,7 @@ def run(args: argparse.Namespace) -> int:
     suffix = ("_stream" if stream else "") + (f"_{tokens}tok" if tokens != 64 else "")
     if getattr(args, "fake_upstreams", False):
         result = run_fake(args.requests, args.out, stream, progress=sys.stderr.isatty(), prompt_tokens=tokens)
-        (args.out / f"proxy_overhead_fake{suffix}.json").write_text(json.dumps(result, indent=2))
-        _print(result)
+        _report(result, args, f"proxy_overhead_fake{suffix}")
         return 0
     from integration.cluster import PDCluster
     from kvconnectors.testing.tinymodel import ensure_tiny_model
@@ -304,9 +317,7 @@ def run(args: argparse.Namespace) -> int:
         result = asyncio.run(measure(pd.proxy_url, pd.prefill[0].url, pd.decode[0].url,
                                      pd.prefill[0].served_model_name, args.requests, stream,
                                      prompt_tokens=tokens))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"proxy_overhead{suffix}.json").write_text(json.dumps({"upstreams": "vllm", **result}, indent=2))
-    _print(result)
+    _report({"upstreams": "vllm", **result}, args, f"proxy_overhead{suffix}")
     return 0
 
 

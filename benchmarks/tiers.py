@@ -54,8 +54,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import (DEFAULT_OUT, bar_chart, host_info, module_main, progress, publish, ratio,
-                               table)
+from benchmarks.common import (DEFAULT_OUT, add_results_argument, bar_chart, host_info, module_main, progress,
+                               publish, ratio, table)
 from benchmarks.transfer import PRESETS
 
 TARGET = 0.8
@@ -207,7 +207,7 @@ def _stamp(base: np.ndarray, i: int) -> np.ndarray:
 def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 16, entry_tokens: int = 256,
               io_threads: int = 4, rounds: int = 3, directory: str | None = None, out: str | None = None,
               o_direct: object = "auto", max_io_bytes: int = 8 << 20, show_progress: bool = True,
-              quiet: bool = False, seed: int = 0, warmup: int = 1) -> dict[str, Any]:
+              quiet: bool = False, seed: int = 0, warmup: int = 1, results_dir: str | None = None) -> dict[str, Any]:
     from kvconnectors.store import StoreConfig, TieredStore
     from kvconnectors.store.sizes import format_size
 
@@ -381,7 +381,7 @@ def run_tiers(nbytes: int = 256 << 20, preset: str = "8b", block_tokens: int = 1
                                         entry_tokens=entry_tokens, block_tokens=block_tokens, parent=str(parent)),
                      io_mode=io_mode, mode_reasons=mode_reasons, raw_mode=raw_mode, verified=verified,
                      wall_s=time.perf_counter() - t_start, memory=memory)
-    return publish(result, out, f"tiers_{preset}_{budget >> 20}MiB", _plot, render, quiet)
+    return publish(result, out, f"tiers_{preset}_{budget >> 20}MiB", _plot, render, quiet, results_dir)
 
 
 def _iov_max() -> int:
@@ -588,6 +588,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory on the disk under test; a temporary folder is made (and removed) inside it")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory for the JSON and PNG")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_results_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -597,7 +598,7 @@ def run(args: argparse.Namespace) -> int:
                            entry_tokens=args.entry_tokens, io_threads=args.io_threads, rounds=args.rounds,
                            warmup=args.warmup, directory=args.dir, out=args.out, o_direct=o_direct,
                            max_io_bytes=args.max_io_bytes,
-                           show_progress=not args.no_progress)
+                           show_progress=not args.no_progress, results_dir=args.results_dir)
     except ValueError as exc:
         print(f"kvconnectors bench tiers: {exc}", file=sys.stderr)
         return 2

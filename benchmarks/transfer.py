@@ -52,8 +52,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from benchmarks.common import (DEFAULT_OUT, bar_chart, host_info, module_main, progress, publish, ratio,
-                               setup_env, summarize, table)
+from benchmarks.common import (DEFAULT_OUT, add_results_argument, bar_chart, host_info, module_main, progress,
+                               publish, ratio, setup_env, summarize, table)
 
 setup_env()  # before anything can load NIXL / UCX / Mooncake; spawned children inherit it
 
@@ -634,7 +634,8 @@ class Consumer:
 # ============================================================================== driver
 def run_transfer(preset: str = "8b", tokens: int = 2048, block_tokens: int = 16, iters: int = 5,
                  paths: str | list[str] = "all", out: str | None = None, checksum: bool = True,
-                 warmup: int = 1, seed: int = 0, show_progress: bool = True, quiet: bool = False) -> dict[str, Any]:
+                 warmup: int = 1, seed: int = 0, show_progress: bool = True, quiet: bool = False,
+                 results_dir: str | None = None) -> dict[str, Any]:
     """Run the benchmark; print the table (unless quiet); write JSON + PNG; return the result dict."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -705,7 +706,8 @@ def run_transfer(preset: str = "8b", tokens: int = 2048, block_tokens: int = 16,
             producer.close()
 
     result = _result(geom, names, status, consumer, checksum, iters, warmup, seed, time.perf_counter() - t_start)
-    return publish(result, out, f"transfer_{preset}_{tokens}tok_b{block_tokens}{'' if checksum else '_nocsum'}", _plot, render, quiet)
+    return publish(result, out, f"transfer_{preset}_{tokens}tok_b{block_tokens}{'' if checksum else '_nocsum'}", _plot, render, quiet,
+                   results_dir)
 
 
 def _result(geom: Geometry, names: list[str], status: dict, consumer: Consumer | None, checksum: bool,
@@ -804,13 +806,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stage without checksums and read with verify=False (production default is on)")
     parser.add_argument("--seed", type=int, default=0, help="payload and block-table seed")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_results_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         result = run_transfer(preset=args.preset, tokens=args.tokens, block_tokens=args.block_tokens,
                               iters=args.iters, paths=args.paths, out=args.out, checksum=not args.no_checksum,
-                              warmup=args.warmup, seed=args.seed, show_progress=not args.no_progress)
+                              warmup=args.warmup, seed=args.seed, show_progress=not args.no_progress,
+                              results_dir=args.results_dir)
     except ValueError as exc:
         print(f"kvconnectors bench transfer: {exc}", file=sys.stderr)
         return 2

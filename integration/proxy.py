@@ -89,6 +89,7 @@ class ProxyConfig:
     unhealthy_after: int = 2
     max_connections: int = 1024
     max_body_bytes: int = 64 * 2**20
+    forward_kv_params: tuple[str, ...] = ()  # client kv_transfer_params keys passed to the prefill leg
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:
@@ -120,6 +121,14 @@ def parse_url(value: str) -> str:
         raise argparse.ArgumentTypeError(
             f"invalid URL {value!r}: give the server root (http://HOST:PORT), not a path like /v1")
     return f"{parts.scheme}://{parts.netloc}"
+
+
+def parse_key_list(value: str) -> tuple[str, ...]:
+    """argparse type: comma-separated kv_transfer_params keys."""
+    keys = tuple(k.strip() for k in value.split(",") if k.strip())
+    if not keys or not all(k.replace("_", "").isalnum() for k in keys):
+        raise argparse.ArgumentTypeError(f"invalid key list {value!r}: expected KEY[,KEY...] of letters, digits, _")
+    return keys
 
 
 def parse_hostport(value: str) -> str:
@@ -573,11 +582,20 @@ class PDProxy:
         body["stream"] = False
         body.pop("stream_options", None)
         body.pop("min_tokens", None)
-        kv = dict(PREFILL_KV_PARAMS)
+        kv = self._forwarded_kv_params(call)
+        kv.update(PREFILL_KV_PARAMS)  # the proxy's own keys always win
         if push_target is not None:
             kv.update(transfer_mode="push", push_target=push_target)
         body["kv_transfer_params"] = kv
         return body
+
+    def _forwarded_kv_params(self, call: _Call) -> dict[str, Any]:
+        """The client's kv_transfer_params keys named by --forward-kv-params (none by default: a
+        client must not steer the transfer plane unless the operator allows that key)."""
+        theirs = call.body.get("kv_transfer_params")
+        if not self.config.forward_kv_params or not isinstance(theirs, dict):
+            return {}
+        return {k: theirs[k] for k in self.config.forward_kv_params if k in theirs}
 
     async def _prefill(self, call: _Call, push_target: str | None = None) -> dict[str, Any]:
         """Run the prefill leg, retrying retryable failures on other instances. Returns the
@@ -786,6 +804,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="upper bound on open upstream connections")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="proxy log level")
+    parser.add_argument("--forward-kv-params", type=parse_key_list, default=(), metavar="KEY[,KEY...]",
+                        help="keys of the client's own kv_transfer_params to pass on to the prefill leg "
+                             "(e.g. kvc_fault for TieredConnector's test hooks); none by default")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -795,7 +816,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_timeout=args.decode_timeout, decode_idle_timeout=args.decode_idle_timeout,
         prefill_retries=args.prefill_retries, health_interval=args.health_interval,
         health_timeout=args.health_timeout, unhealthy_after=args.unhealthy_after,
-        max_connections=args.max_connections)
+        max_connections=args.max_connections, forward_kv_params=tuple(args.forward_kv_params))
 
 
 async def serve(config: ProxyConfig, host: str, port: int, stop: asyncio.Event | None = None) -> None:

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("artifacts/demo"),
                         help="folder for summary.json, demo.png and the server logs")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    parser.add_argument("--results-dir", type=Path, default=None, metavar="DIR",
+                        help="also save the printed block as demo.txt (the command line first) and the summary "
+                             "as demo.json in this folder, e.g. docs/results (what the README quotes)")
 
 
 def _metric_sum(metrics: dict, name: str) -> float:
@@ -86,22 +89,27 @@ def run(args: argparse.Namespace) -> int:
         "transfer_failures": int(failures), "transport": args.transport,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print()
-    print(f"  decode output == colocated : {summary['identical_to_colocated']}/{len(results)} requests"
-          + ("  OK" if not wrong and not errors else "  MISMATCH"))
-    print(f"  TTFT p50 / p99              : {summary['ttft_ms']['p50']:.1f} / {summary['ttft_ms']['p99']:.1f} ms")
-    print(f"  ITL  p50 / p99              : {summary['itl_ms']['p50']:.2f} / {summary['itl_ms']['p99']:.2f} ms")
-    print(f"  KV moved                    : {moved / 1e6:.2f} MB in {xfer_s * 1e3:.1f} ms of transfers"
-          f" ({summary['transfer_gbps']} GB/s)")
-    print(f"  failures                    : {len(errors)} requests, {int(failures)} transfers")
-    for i, m in wrong[:5]:
-        print(f"  request {i}: {m}")
-    for r in errors[:5]:
-        print(f"  request {r.index} failed: {r.error}")
+    # one block, printed and (with --results-dir) saved as it was printed: the README quotes it
+    lines = [
+        f"  decode output == colocated : {summary['identical_to_colocated']}/{len(results)} requests"
+        + ("  OK" if not wrong and not errors else "  MISMATCH"),
+        f"  TTFT p50 / p99              : {summary['ttft_ms']['p50']:.1f} / {summary['ttft_ms']['p99']:.1f} ms",
+        f"  ITL  p50 / p99              : {summary['itl_ms']['p50']:.2f} / {summary['itl_ms']['p99']:.2f} ms",
+        f"  KV moved                    : {moved / 1e6:.2f} MB in {xfer_s * 1e3:.1f} ms of transfers"
+        f" ({summary['transfer_gbps']} GB/s)",
+        f"  failures                    : {len(errors)} requests, {int(failures)} transfers"]
+    lines += [f"  request {i}: {m}" for i, m in wrong[:5]]
+    lines += [f"  request {r.index} failed: {r.error}" for r in errors[:5]]
     if not args.no_plot:
-        path = _plot(results, args.out / "demo.png")
-        print(f"  plot                        : {path}")
-    print(f"  summary                     : {args.out / 'summary.json'}")
+        lines.append(f"  plot                        : {_plot(results, args.out / 'demo.png')}")
+    lines.append(f"  summary                     : {args.out / 'summary.json'}")
+    text = "\n".join(lines)
+    print()
+    print(text)
+    if args.results_dir is not None:
+        from benchmarks.common import save_results
+
+        save_results(args.results_dir, "demo", text, summary)
     return 0 if not wrong and not errors and summary["kv_bytes_moved"] > 0 else 1
 
 

@@ -31,6 +31,7 @@ class TieredBackend(ConnectorBackend):
     name = "TieredConnector"
     kv_connector = "TieredConnector"
     module_path = "kvconnectors.tiered"
+    own = True   # an import or construction error fails the suite, never skips it
     capabilities = Capabilities(async_load=True, pd_pull=True, failure_reporting=True, runs_on_cpu=True)
     xfail: dict[str, str] = {}
 
@@ -355,6 +356,7 @@ class MultiBackend(ConnectorBackend):
 
     name = "MultiConnector(TieredConnector+ExampleConnector)"
     kv_connector = "MultiConnector"
+    own = True   # composed of TieredConnector: it must import and construct here
     capabilities = Capabilities(async_load=True, pd_pull=True, failure_reporting=True, runs_on_cpu=True)
 
     def kv_transfer_config(self, role: str, *, policy: str = "fail",

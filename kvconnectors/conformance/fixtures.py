@@ -11,9 +11,11 @@ want (`SchedulerContractTests`, `WorkerTransferTests`, `EngineEndToEndTests`,
 
 What a backend MUST set: `name`, `kv_connector` (and `module_path` for an out-of-tree class).
 What it MAY override (all have working defaults for a "pull with a ticket" connector):
-`capabilities`, `xfail` (strict, test name -> "issue URL: why"), `skips` (test or area name ->
-the precise reason it cannot run here), `extra_config(role)`, `environment(role, instance)`,
-`unavailable()`, `producer_params()`, `prepare_scheduler(harness)`,
+`own` (True for kvconnectors' own connectors and anything composed of them: if such a backend
+cannot be imported or constructed, every test FAILS with the exception and its traceback instead
+of skipping as "unavailable here"), `capabilities`, `xfail` (strict, test name -> "issue URL:
+why"), `skips` (test or area name -> the precise reason it cannot run here), `extra_config(role)`,
+`environment(role, instance)`, `unavailable()`, `producer_params()`, `prepare_scheduler(harness)`,
 `prepare_consumer(harness, prompt)` (the backdoor that makes a prompt loadable),
 `consumer_params(params, sent=, producer=)`, `fault_extra()` / `fault_params()` /
 `corrupt_extra()` (fault hooks), `worker_context()` / `release_worker()`, `run_pd(...)` (how to
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import traceback
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,6 +46,9 @@ class ConnectorBackend:
     kv_connector: ClassVar[str] = ""
     # ---------------------------------------------------------------- MAY
     module_path: ClassVar[str | None] = None
+    # kvconnectors' own connector (or one composed of it): not importable or constructible here is
+    # a defect of this project, never an environment it may skip in.
+    own: ClassVar[bool] = False
     capabilities: ClassVar[Capabilities] = Capabilities()
     xfail: ClassVar[dict[str, str]] = {}      # test name -> "https://issue: reason"  (strict)
     skips: ClassVar[dict[str, str]] = {}      # test or area name -> precise reason it cannot run here
@@ -67,7 +73,10 @@ class ConnectorBackend:
         base = getattr(request.node, "originalname", test)
         if not self.name or not self.kv_connector:
             pytest.fail(f"{type(self).__name__}: a backend must set `name` and `kv_connector`")
-        reason = type(self)._unavailable_cached()
+        reason, trace = self._availability()
+        if reason and self.own:
+            pytest.fail(f"{self.name}: kvconnectors' own connector cannot be imported or constructed (a defect, "
+                        f"not a skip): {reason}" + (f"\n{trace}" if trace else ""), pytrace=False)
         if reason:
             pytest.skip(f"{self.name}: unavailable here: {reason}")
         area = area_of(type(self), base)
@@ -85,16 +94,22 @@ class ConnectorBackend:
                                                       strict=True, raises=AssertionError))
                 break
 
-    _unavailable_memo: ClassVar[dict[type, str | None]] = {}
+    _unavailable_memo: ClassVar[dict[type, tuple[str | None, str]]] = {}
 
-    @classmethod
-    def _unavailable_cached(cls) -> str | None:
-        if cls not in ConnectorBackend._unavailable_memo:
+    def _availability(self) -> tuple[str | None, str]:
+        """(why this backend cannot run here, or None; the traceback summary when an exception
+        said so), once per backend class. An own backend first imports every connector class it
+        configures, raising, so its failure carries the traceback."""
+        memo = ConnectorBackend._unavailable_memo
+        cls = type(self)
+        if cls not in memo:
             try:
-                ConnectorBackend._unavailable_memo[cls] = cls().unavailable()
+                if self.own:
+                    self.connector_classes()
+                memo[cls] = (self.unavailable(), "")
             except Exception as exc:  # noqa: BLE001 - the reason is the report
-                ConnectorBackend._unavailable_memo[cls] = f"{type(exc).__name__}: {exc}"
-        return ConnectorBackend._unavailable_memo[cls]
+                memo[cls] = (f"{type(exc).__name__}: {exc}", _traceback_summary(exc))
+        return memo[cls]
 
     # ---------------------------------------------------------------- configuration
     def extra_config(self, role: str) -> dict[str, Any]:
@@ -122,6 +137,19 @@ class ConnectorBackend:
 
         return KVConnectorFactory.get_connector_class(KVTransferConfig(
             kv_connector=self.kv_connector, kv_connector_module_path=self.module_path, kv_role="kv_both"))
+
+    def connector_classes(self) -> list[type]:
+        """Every connector class this backend configures: the top-level one and, for a
+        MultiConnector, each child in `kv_connector_extra_config["connectors"]` (vLLM imports
+        those only when it builds the connector)."""
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        cfg = self.kv_transfer_config(self.scheduler_role)
+        specs = [cfg, *cfg.get("kv_connector_extra_config", {}).get("connectors", [])]
+        return [KVConnectorFactory.get_connector_class(KVTransferConfig(
+            kv_connector=spec["kv_connector"], kv_connector_module_path=spec.get("kv_connector_module_path"),
+            kv_role="kv_both")) for spec in specs]
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run at all here (None = it can). Default: the connector
@@ -246,6 +274,11 @@ class ConnectorBackend:
         return one_engine_pd(self, model, prompts, max_tokens, fault=fault, policy=policy)
 
 
+def _traceback_summary(exc: BaseException, frames: int = 8) -> str:
+    """The innermost `frames` frames and the exception line: enough to see where it was raised."""
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-frames)).rstrip()
+
+
 def load_backend(spec: str) -> type[ConnectorBackend]:
     """A backend class from a built-in name ("TieredConnector"), "module:Class" naming a
     `ConnectorBackend` subclass, or "module:Class" naming a `KVConnectorBase_V1` subclass (a
@@ -263,4 +296,5 @@ def load_backend(spec: str) -> type[ConnectorBackend]:
         return obj
     return type(f"{cls_name}Backend", (ConnectorBackend,), {
         "name": cls_name, "kv_connector": cls_name, "module_path": module_name,
+        "own": module_name.partition(".")[0] == "kvconnectors",   # ours by any name: fail, never skip
         "__doc__": f"Generic backend for {spec}: default capabilities only."})

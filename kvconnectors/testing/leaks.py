@@ -1,39 +1,139 @@
-"""Leak checks for a live P/D pair: no request, KV block, store entry or store connection left."""
+"""Leak checks for a live P/D cluster: no request, KV block, store entry, store byte (DRAM or
+NVMe) or store connection left.
+
+Which instances run a store (see integration/launcher.py plan_instances): every TieredConnector
+prefill instance (its staging store, at the plan's kv_addr) and, in push mode only, every decode
+instance (its landing store, at its kv_addr). Each is asked through its own status call, so NVMe
+usage comes from the store's accounting (its extent files have no name to look for on disk).
+
+Connections left open: a pull opens a connection per transfer and closes it, so at rest nobody
+holds one to a staging store. Push connections are pooled by design (transport/push.py keeps one
+per prefill worker and landing store; the decode's scheduler keeps one to its own landing store
+to locate pushed KV), so at rest each such process holds at most one; more is a leak. And a store
+must not count more connections than the cluster's processes hold (a server side nobody closed).
+"""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
+from kvconnectors.errors import KVConnectorError
 from kvconnectors.serving import process_tree
 from kvconnectors.transport.client import store_status
 
+IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+HELD_FIELDS = ("entries", "pinned", "dram_used_bytes", "nvme_used_bytes")
+
+
+@dataclass(frozen=True)
+class Store:
+    owner: str    # the instance running it (prefill-0, decode-1, ...)
+    role: str     # prefill (staging store) | decode (landing store)
+    host: str
+    port: int
+
 
 def pd_leaks(pd: Any, producer_alive: bool = True, secret: bytes | None = None) -> list[str]:
-    """What is still held on either side of a PDCluster (empty when clean)."""
+    """What is still held anywhere in a PDCluster (empty when clean). `pd` needs `servers` and
+    `plans` (same order); with producer_alive=False the prefill instances are not asked."""
+    alive = [s for s, p in zip(pd.servers, pd.plans) if producer_alive or p.role != "prefill"]
+    # Connections and stores before /metrics: a scrape may ask its store's status (tiered/prom.py),
+    # and that short-lived connection is no leak.
+    held = {s.name: client_ports(s.pid) for s in alive}
     problems = []
-    for s in (pd.servers if producer_alive else pd.decode):
-        m = s.metrics()
-        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-            if any(v for _, v in m.get(name, [])):
-                problems.append(f"{s.name}: {name} != 0")
-    host, port = pd.plans[0].kv_addr.rsplit(":", 1)
-    if producer_alive:
-        st = store_status(host, int(port), secret=secret)
-        if st.entries or st.dram_used_bytes or st.nvme_used_bytes or st.active_connections:
-            problems.append(f"producer store: {st.entries} entries, {st.dram_used_bytes} DRAM bytes, "
-                            f"{st.active_connections} connections")
-    for d in pd.decode:
-        for p in process_tree(d.pid):
-            try:
-                conns = [c for c in p.net_connections("tcp") if c.raddr and c.raddr.port == int(port)
-                         and c.status == psutil.CONN_ESTABLISHED]
-            except psutil.Error:
-                continue
-            if conns:
-                problems.append(f"decode pid {p.pid} holds {len(conns)} connections to the producer's store")
+    for store in cluster_stores(pd):
+        if store.role == "prefill" and not producer_alive:
+            continue
+        problems += client_problems(store, held)
+        problems += store_problems(store, held_to(held, store.port), secret)
+    return [msg for s in alive for msg in gauge_problems(s)] + problems
+
+
+def gauge_problems(server: Any) -> list[str]:
+    """A gauge missing from /metrics is a problem too: a check on nothing passes."""
+    m = server.metrics()
+    problems = []
+    for name in IDLE_GAUGES:
+        samples = m.get(name) or []
+        if not samples:
+            problems.append(f"{server.name}: {name} missing from /metrics")
+        elif any(v for _, v in samples):
+            problems.append(f"{server.name}: {name} = {sum(v for _, v in samples):g}, not 0")
+    return problems
+
+
+def cluster_stores(pd: Any) -> list[Store]:
+    """Every store the cluster runs: staging stores of the prefill plans, landing stores of the
+    decode plans in push mode (a pull-mode decode plan's kv_addr has nothing listening)."""
+    stores = []
+    for p in pd.plans:
+        if not p.kv_addr or (p.role == "decode" and not is_push(p)):
+            continue
+        host, port = p.kv_addr.rsplit(":", 1)
+        stores.append(Store(p.name, p.role, host, int(port)))
+    return stores
+
+
+def is_push(plan: Any) -> bool:
+    return (plan.kv_transfer_config.get("kv_connector_extra_config") or {}).get("transfer_mode") == "push"
+
+
+def client_ports(pid: int | None) -> dict[int, Counter]:
+    """pid -> how many ESTABLISHED tcp connections it holds, by remote port, for `pid`'s tree."""
+    out: dict[int, Counter] = {}
+    if pid is None:  # never started: psutil.Process(None) would be this process
+        return out
+    for proc in process_tree(pid):
+        try:
+            conns = proc.net_connections("tcp")
+        except psutil.Error:
+            continue
+        out[proc.pid] = Counter(c.raddr.port for c in conns if c.raddr and c.status == psutil.CONN_ESTABLISHED)
+    return out
+
+
+def held_to(held: dict[str, dict[int, Counter]], port: int) -> int:
+    """Connections to `port` over the cluster's processes, each process counted once."""
+    per_pid = {pid: ports[port] for procs in held.values() for pid, ports in procs.items()}
+    return sum(per_pid.values())
+
+
+def client_problems(store: Store, held: dict[str, dict[int, Counter]]) -> list[str]:
+    """Connections to `store` beyond what an idle cluster keeps (see the module docstring)."""
+    problems = []
+    for name, procs in held.items():
+        for pid, ports in procs.items():
+            n, allowed = ports[store.port], idle_connections(store, name)
+            if n > allowed:
+                problems.append(f"{name} pid {pid} holds {n} connections to {store.owner}'s store "
+                                f"{store.host}:{store.port} (at most {allowed} when idle)")
+    return problems
+
+
+def idle_connections(store: Store, holder: str) -> int:
+    """How many connections one process of instance `holder` may keep to `store` at rest."""
+    if store.role != "decode":
+        return 0          # staging store: pulls, renewals and releases close theirs
+    if holder == store.owner or holder.startswith("prefill"):
+        return 1          # the owner's locator; a prefill worker's pooled push connection
+    return 0
+
+
+def store_problems(store: Store, seen_clients: int, secret: bytes | None) -> list[str]:
+    where = f"{store.owner}'s store {store.host}:{store.port}"
+    try:
+        st = store_status(store.host, store.port, secret=secret)
+    except (KVConnectorError, OSError) as exc:
+        return [f"{where}: status call failed: {exc}"]
+    problems = [f"{where}: {field} = {getattr(st, field)}" for field in HELD_FIELDS if getattr(st, field)]
+    if st.active_connections > seen_clients:
+        problems.append(f"{where}: {st.active_connections} open connections, the cluster's processes hold "
+                        f"{seen_clients}")
     return problems
 
 

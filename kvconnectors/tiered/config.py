@@ -45,6 +45,7 @@ class TieredConfig:
     retries: int = 3                    # attempts after the first, for failure_policy "retry"
     retry_backoff_s: float = 0.1        # first back-off, doubled each attempt, bounded by load_timeout_s
     fault_injection: list[dict] | None = None  # tests and chaos runs only; see transport/faults.py
+    test_hooks: bool = False            # tests only: honour per-request kvc_fault (transport/tamper.py)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -82,8 +83,9 @@ class TieredConfig:
             raise ConfigError("nvme_dirs", self.nvme_dirs, "must be a list of directory paths")
         if self.nvme_bytes and not self.nvme_dirs:
             raise ConfigError("nvme_bytes", raw_nvme, "is set but nvme_dirs is empty")
-        if not isinstance(self.checksum, bool):
-            raise ConfigError("checksum", self.checksum, "must be true or false")
+        for key in ("checksum", "test_hooks"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(key, getattr(self, key), "must be true or false")
         if isinstance(self.max_concurrent_loads, bool) or not isinstance(self.max_concurrent_loads, int) \
                 or self.max_concurrent_loads < 1:
             raise ConfigError("max_concurrent_loads", self.max_concurrent_loads, "must be an integer >= 1")

@@ -21,7 +21,7 @@ from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.lease_keeper import LeaseKeeper
 from kvconnectors.tiered.metadata import (RecvSpec, SaveSpec, TieredConnectorMetadata,
                                           TieredHandshakeMetadata)
-from kvconnectors.transport import wire
+from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.push import parse_target
@@ -121,7 +121,7 @@ class TieredConnectorScheduler:
         if p.get("do_remote_decode"):
             if request.request_id not in self._producing:
                 self._producing[request.request_id] = _Producing(
-                    transfer_id=f"{self.engine_id}:{request.request_id}",
+                    transfer_id=self._transfer_id(request.request_id, p),
                     prompt_len=len(request.prompt_token_ids or ()), push_target=self._push_target(p))
             return
         if not (p.get("do_remote_prefill") and kvparams.KEY in p) or num_external_tokens <= 0:
@@ -141,6 +141,23 @@ class TieredConnectorScheduler:
         except TransferError as exc:
             spec.error_cause, spec.error_message = exc.cause, str(exc)
         self._recvs.append(spec)
+
+    def _transfer_id(self, req_id: str, p: dict) -> str:
+        """The staged transfer's id; marked for a test corruption hook when the request asks for
+        one (kv_transfer_params kvc_fault) and this instance runs with test_hooks (tamper.py)."""
+        tid = f"{self.engine_id}:{req_id}"
+        kind = p.get(tamper.PARAM)
+        if kind is None:
+            return tid
+        if not self.config.test_hooks:
+            logger.warning("kv_transfer_params.%s=%r ignored: this instance runs without test_hooks",
+                           tamper.PARAM, kind)
+            return tid
+        try:
+            return tamper.mark(tid, kind)
+        except ValueError as exc:
+            logger.error("kv_transfer_params: %s; request %s is staged unmarked", exc, req_id)
+            return tid
 
     def _push_target(self, p: dict) -> str:
         """The landing store to push to, or "" for pull. A request that asks for push without a

@@ -1,7 +1,20 @@
 """Per-interval transfer statistics, shipped worker -> scheduler -> API server by vLLM.
 
-`data` stays a plain dict of numbers and lists so it crosses processes as-is; vLLM's logger
-prints `reduce()` as the "KV Transfer metrics" line.
+`data` stays a plain dict of numbers, lists and dicts so it crosses processes as-is; vLLM's
+logger prints `reduce()` as the "KV Transfer metrics" line and `TieredPromMetrics.observe`
+(prom.py) turns it into Prometheus counters. Shape (one interval, summed over TP ranks):
+
+    transfers, bytes_received, ...          totals (_COUNTERS)
+    bytes_by_path      {"shm": 1048576}     bytes each data path carried (DATA_PATHS)
+    transfers_by_path  {"shm": 3}           loads, each under the path that carried most of its bytes
+                                            ("none": a load with nothing to move)
+    path_fallbacks     {"shm->tcp": 1}      loads that could not use the configured path
+    transfer_seconds   [0.012, ...]
+    failures           {cause: n};  errors {request id: [cause, message]}
+    store              {"addrs": ["host:port", ...], "gauges": {...}, "deltas": {...}}   (optional)
+
+`store.addrs` are the store servers this engine's workers run (one per TP rank): the API server
+asks them for their state at scrape time. `store.gauges` feed only the log line.
 """
 
 from __future__ import annotations
@@ -11,31 +24,69 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+# Data-path names, the `path` label of the transfer metrics: pulls over a socket, from the
+# producer's shared-memory arena, by a NIXL READ; and pushes that landed over a socket or by a
+# NIXL WRITE in this decode's landing store (then loaded from there).
+DATA_PATHS = ("tcp", "shm", "nixl", "push_tcp", "push_nixl")
+NO_PATH = "none"  # transfers only: a load with nothing to move (every block already local)
+
 _COUNTERS = ("transfers", "bytes_received", "bytes_staged", "blocks_staged", "staging_failures", "retries",
              "pushes", "bytes_pushed", "push_fallbacks")
+_PER_KEY = ("bytes_by_path", "transfers_by_path", "path_fallbacks", "failures")  # dicts of counts
 
 
 def _empty() -> dict[str, Any]:
     # errors: request id -> [cause, message] of failed loads, for the client's error (client_errors.py)
-    return {**{k: 0 for k in _COUNTERS}, "transfer_seconds": [], "failures": {}, "errors": {}}
+    return {**{k: 0 for k in _COUNTERS}, **{k: {} for k in _PER_KEY}, "transfer_seconds": [], "errors": {}}
+
+
+def _add_counts(mine: dict[str, int], theirs: dict[str, int]) -> None:
+    for key, n in theirs.items():
+        mine[key] = mine.get(key, 0) + n
+
+
+def main_path(bytes_by_path: dict[str, int]) -> str:
+    """The path a load is counted under: the one that carried most of its bytes."""
+    if not bytes_by_path:
+        return NO_PATH
+    return max(bytes_by_path, key=lambda path: bytes_by_path[path])
+
+
+def merge_store(mine: dict[str, Any] | None, theirs: dict[str, Any]) -> dict[str, Any]:
+    """Two ranks' store reports as one: addresses listed once each (order kept), numbers added
+    (tensor-parallel ranks each hold a shard)."""
+    out = {"addrs": list((mine or {}).get("addrs", [])), "gauges": dict((mine or {}).get("gauges", {})),
+           "deltas": dict((mine or {}).get("deltas", {}))}
+    out["addrs"] += [a for a in theirs.get("addrs", []) if a not in out["addrs"]]
+    for part in ("gauges", "deltas"):
+        _add_counts(out[part], theirs.get(part, {}))
+    return out
 
 
 @dataclass
 class TieredStats(KVConnectorStats):
     def __post_init__(self) -> None:
-        if not self.data:
-            self.data = _empty()
+        for key, value in _empty().items():  # a shipped dict has every key; a partial one gets the rest
+            self.data.setdefault(key, value)
 
     def reset(self) -> None:
         self.data = _empty()
 
-    def record_transfer(self, nbytes: int, seconds: float) -> None:
+    def record_transfer(self, bytes_by_path: dict[str, int], seconds: float) -> None:
+        """One completed load and the bytes each data path carried (`DATA_PATHS`); {} for a load
+        that had nothing to move (counted under `NO_PATH`)."""
         self.data["transfers"] += 1
-        self.data["bytes_received"] += nbytes
+        self.data["bytes_received"] += sum(bytes_by_path.values())
+        _add_counts(self.data["bytes_by_path"], {p: n for p, n in bytes_by_path.items() if n})
+        _add_counts(self.data["transfers_by_path"], {main_path(bytes_by_path): 1})
         self.data["transfer_seconds"].append(seconds)
 
+    def record_path_fallback(self, configured: str, used: str) -> None:
+        """A load that could not use the configured path (e.g. shm without an shm_path) used `used`."""
+        _add_counts(self.data["path_fallbacks"], {f"{configured}->{used}": 1})
+
     def record_failure(self, cause: str) -> None:
-        self.data["failures"][cause] = self.data["failures"].get(cause, 0) + 1
+        _add_counts(self.data["failures"], {cause: 1})
 
     def record_error(self, req_id: str, cause: str, message: str) -> None:
         errors = self.data.setdefault("errors", {})
@@ -64,16 +115,13 @@ class TieredStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> "TieredStats":
         for k in _COUNTERS:
             self.data[k] += other.data.get(k, 0)
+        for k in _PER_KEY:
+            _add_counts(self.data[k], other.data.get(k, {}))
         self.data["transfer_seconds"].extend(other.data.get("transfer_seconds", []))
-        for cause, n in other.data.get("failures", {}).items():
-            self.data["failures"][cause] = self.data["failures"].get(cause, 0) + n
         self.data.setdefault("errors", {}).update(other.data.get("errors", {}))
         theirs = other.data.get("store")
-        if theirs:  # tensor-parallel ranks each hold a shard: store numbers add up
-            mine = self.data.setdefault("store", {"gauges": {}, "deltas": {}})
-            for part in ("gauges", "deltas"):
-                for k, v in theirs.get(part, {}).items():
-                    mine[part][k] = mine[part].get(k, 0) + v
+        if theirs:
+            self.data["store"] = merge_store(self.data.get("store"), theirs)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -88,6 +136,10 @@ class TieredStats(KVConnectorStats):
             "Failed transfers": sum(self.data["failures"].values()),
             "Retries": self.data["retries"],
         }
+        for path, n in sorted(self.data["bytes_by_path"].items()):
+            out[f"MB via {path}"] = round(n / 1e6, 3)
+        for fallback, n in sorted(self.data["path_fallbacks"].items()):
+            out[f"Path fallbacks {fallback}"] = n
         if self.data["pushes"] or self.data["push_fallbacks"]:
             out["Layer groups pushed"] = self.data["pushes"]
             out["MB pushed"] = round(self.data["bytes_pushed"] / 1e6, 3)
@@ -96,14 +148,14 @@ class TieredStats(KVConnectorStats):
             out[f"Failed: {cause}"] = n
         gauges = (self.data.get("store") or {}).get("gauges")
         if gauges:
-            out["Store entries"] = gauges["entries"]
-            out["Store DRAM MB"] = round(gauges["dram_bytes"] / 1e6, 3)
-            out["Store NVMe MB"] = round(gauges["nvme_bytes"] / 1e6, 3)
+            out["Store entries"] = gauges.get("entries", 0)
+            out["Store DRAM MB"] = round(gauges.get("dram_bytes", 0) / 1e6, 3)
+            out["Store NVMe MB"] = round(gauges.get("nvme_bytes", 0) / 1e6, 3)
         return out
 
     def is_empty(self) -> bool:
         return not (self.data["transfers"] or self.data["bytes_staged"] or self.data["failures"]
-                    or self.data["pushes"] or self.data["push_fallbacks"]
+                    or self.data["pushes"] or self.data["push_fallbacks"] or self.data["path_fallbacks"]
                     or self.data.get("store"))
 
     def clone_and_reset(self) -> "TieredStats":

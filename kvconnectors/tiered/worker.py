@@ -36,7 +36,7 @@ from kvconnectors.tiered.metadata import RecvSpec, SaveSpec, TieredConnectorMeta
 from kvconnectors.tiered.params import TransferParams
 from kvconnectors.tiered.stats import TieredStats
 from kvconnectors.transport import nixl as nixl_transport
-from kvconnectors.transport import wire
+from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.landing import Landing
@@ -53,6 +53,7 @@ TRANSIENT = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT, Fail
 _PUSH_LOST = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT})
 FIRST_CHUNK_GRACE_S = 5.0  # push: no chunk of a transfer landed by then -> pull from the producer
 LANDED_READ_BYTES = 32 << 20  # push: bytes copied out of the landing store per read_into call
+PULL_PATHS = {"inline": "tcp", "shm": "shm", "nixl": "nixl"}  # wire data_path -> metric label
 
 
 class TieredConnectorWorker:
@@ -79,7 +80,7 @@ class TieredConnectorWorker:
         self.store: TieredStore | None = None
         self.server: StoreServer | None = None
         self._reaper: Reaper | None = None
-        self._store_last: tuple[dict, dict] = ({}, {})
+        self._store_last: tuple[dict, dict] | None = None  # None: the first report always goes out
         # producer staging state (staging thread; the forward thread once it has drained)
         self._checksums: dict[str, np.ndarray] = {}
         self._staging_failed: dict[str, TransferError] = {}
@@ -135,7 +136,8 @@ class TieredConnectorWorker:
             sink = (lambda: nixl_transport.NixlSink(tag=f"landing-{self.engine_id}")) \
                 if cfg.transport == "nixl" else None
             self.landing = Landing(self.store, fingerprint=self.layout.fingerprint,
-                                   num_layers=self.layout.num_layers, nixl_sink_factory=sink)
+                                   num_layers=self.layout.num_layers, nixl_sink_factory=sink,
+                                   test_hooks=cfg.test_hooks)
         self.server = StoreServer(self.store, cfg.bind_host, port, fingerprint=self.layout.fingerprint,
                                   num_layers=self.layout.num_layers, compat=self._compat, secret=self._secret,
                                   staging_failure=self._staging_failed.get, faults=cfg.fault_plan,
@@ -353,7 +355,7 @@ class TieredConnectorWorker:
         start = time.monotonic()
         deadline = start + self.config.load_timeout_s
         try:
-            nbytes = self._pull_with_retries(spec, deadline)
+            by_path = self._pull_with_retries(spec, deadline)
         except TransferError as exc:
             self._finish(spec.req_id, exc)  # report first: the release below may wait on a dead peer
             self._give_back(spec, exc)
@@ -361,7 +363,7 @@ class TieredConnectorWorker:
             logger.exception("unexpected error pulling KV for %s", spec.req_id)
             self._finish(spec.req_id, TransferError(FailureCause.PROTOCOL, f"internal error: {exc!r}"))
         else:
-            self._finish(spec.req_id, None, nbytes, time.monotonic() - start)
+            self._finish(spec.req_id, None, by_path, time.monotonic() - start)
 
     def _give_back(self, spec: RecvSpec, exc: TransferError) -> None:
         """After a final failure, release the producer's entry now (best effort) instead of
@@ -378,7 +380,7 @@ class TieredConnectorWorker:
             logger.warning("could not release transfer for %s after its failure (it will expire): %s",
                            spec.req_id, release_exc)
 
-    def _pull_with_retries(self, spec: RecvSpec, deadline: float) -> int:
+    def _pull_with_retries(self, spec: RecvSpec, deadline: float) -> dict[str, int]:
         """failure_policy "retry": transient faults (peer gone, timeout, bad bytes, protocol) are
         tried again with exponential back-off inside the one load deadline; the producer keeps
         its entry until a pull succeeds, so a retry reads the same bytes."""
@@ -399,7 +401,8 @@ class TieredConnectorWorker:
                 backoff *= 2
         raise AssertionError("unreachable")
 
-    def _pull_into_cache(self, spec: RecvSpec, deadline: float) -> int:
+    def _pull_into_cache(self, spec: RecvSpec, deadline: float) -> dict[str, int]:
+        """Load one request's KV into its blocks; returns the bytes each data path carried."""
         if spec.error_cause is not None:
             raise TransferError(spec.error_cause, spec.error_message.split("] ", 1)[-1])
         p = msgspec.convert(spec.params, TransferParams)
@@ -413,16 +416,17 @@ class TieredConnectorWorker:
                                 f"producer has {len(p.addrs)} ranks, this consumer is rank {layout.tp_rank}")
         num_blocks = p.num_blocks - spec.first_block
         if num_blocks <= 0:
-            return 0
+            return {}
         if len(spec.block_ids) < num_blocks:
             raise TransferError(FailureCause.LAYOUT_MISMATCH,
                                 f"{len(spec.block_ids)} local blocks allocated for {num_blocks} remote blocks")
         targets = spec.block_ids[:num_blocks]
+        fault = tamper.kind_of(p.transfer_id, self.config.test_hooks)
         if p.push_target and self.landing is not None:
             try:
                 # at most half the time left: a pull from the producer must still fit after it
                 return self._load_landed(p, spec.first_block, targets,
-                                         time.monotonic() + (deadline - time.monotonic()) / 2)
+                                         time.monotonic() + (deadline - time.monotonic()) / 2, fault)
             except TransferError as exc:
                 self.landing.abandon(p.transfer_id, exc)
                 # It did not land here (refused, producer lost, never came): the producer still
@@ -432,8 +436,7 @@ class TieredConnectorWorker:
                 self._record("record_push_fallback", exc.cause.value)
         dest = [memoryview(self._blocks[layer][b]) for layer in range(layout.num_layers) for b in targets]
         addr = p.addrs[layout.tp_rank]
-        transport = self.config.transport
-        data_path = "shm" if transport == "shm" and p.shm_path else "nixl" if transport == "nixl" else "inline"
+        data_path = self._pull_path(spec, p)
         sink = self._nixl() if data_path == "nixl" else None
         dest_addrs = None
         if sink is not None:  # layer-major, like dest
@@ -441,8 +444,11 @@ class TieredConnectorWorker:
             dest_addrs = (self._block_base[:, None] + ids[None, :] * self._block_stride[:, None]).reshape(-1)
         with self._client(addr.host, addr.port) as client:
             nbytes = client.read(p.transfer_id, range(layout.num_layers), spec.first_block, dest,
-                                 fingerprint=layout.fingerprint, deadline=deadline, verify=self.config.checksum,
+                                 fingerprint=layout.fingerprint, deadline=deadline,
+                                 verify=self.config.checksum and fault != "corrupt",
                                  data_path=data_path, nixl=sink, dest_addrs=dest_addrs)
+            if fault == "corrupt":  # test hook: silently, where the data path delivered the bytes
+                tamper.corrupt(dest)
             if data_path == "inline":
                 # The KV has landed and been verified: a slow or failed release must not fail the
                 # load (the lease ends the entry anyway), so give it its own short deadline.
@@ -451,11 +457,24 @@ class TieredConnectorWorker:
                 except TransferError as exc:
                     logger.warning("release of %s failed after a good pull (it will expire): %s",
                                    p.transfer_id, exc)
-        return nbytes
+        return {PULL_PATHS[data_path]: nbytes}
 
-    def _load_landed(self, p: TransferParams, first_block: int, targets: list[int], deadline: float) -> int:
+    def _pull_path(self, spec: RecvSpec, p: TransferParams) -> str:
+        """The wire data path of a pull. A ticket that cannot use the configured one (shm, but the
+        producer has no shm arena) goes over tcp, counted and logged: never silently."""
+        transport = self.config.transport
+        if transport == "shm" and not p.shm_path:
+            logger.warning("request %s: transport shm configured, but the producer's ticket has no shm arena "
+                           "(is the producer on transport shm and this host?); pulling over tcp", spec.req_id)
+            self._record("record_path_fallback", "shm", "tcp")
+            return "inline"
+        return "nixl" if transport == "nixl" else "shm" if transport == "shm" else "inline"
+
+    def _load_landed(self, p: TransferParams, first_block: int, targets: list[int], deadline: float,
+                     fault: str | None = None) -> dict[str, int]:
         """Push mode: wait until the producer's push has landed in this worker's store (sealed:
-        every layer of every block), then copy it into the KV cache blocks and release it."""
+        every layer of every block), then copy it into the KV cache blocks and release it.
+        Returns the bytes that landed over each push data path."""
         assert self.landing is not None and self.store is not None
         tid = p.transfer_id
         self.landing.wait(tid, deadline, time.monotonic() + min(FIRST_CHUNK_GRACE_S, self.config.load_timeout_s / 2))
@@ -474,9 +493,11 @@ class TieredConnectorWorker:
                     self.store.read_into(tid, list(group), first_block, rows)
                 except OSError as exc:  # the landing copy's disk tier failed: pull instead
                     raise TransferError(FailureCause.PROTOCOL, f"reading the landed copy failed: {exc}") from None
+                if fault == "corrupt_landed":  # test hook: the landed copy on its way into the blocks
+                    tamper.corrupt(rows)
                 for i, layer in enumerate(group):
                     self._blocks[layer][ids] = rows[i * n:(i + 1) * n]
-            return n * layers * self.store.slot_bytes
+            return self.landing.landed_bytes(tid)
         finally:
             self.landing.forget(tid)
             try:
@@ -498,12 +519,13 @@ class TieredConnectorWorker:
                 self._nixl_sink = sink
             return self._nixl_sink
 
-    def _finish(self, req_id: str, error: TransferError | None, nbytes: int = 0, seconds: float = 0.0) -> None:
+    def _finish(self, req_id: str, error: TransferError | None, bytes_by_path: dict[str, int] | None = None,
+                seconds: float = 0.0) -> None:
         with self._lock:
             self.inflight_loads -= 1
             if error is None:
                 self._done.add(req_id)
-                self._record("record_transfer", nbytes, seconds)
+                self._record("record_transfer", bytes_by_path or {}, seconds)
             else:
                 self._failed[req_id] = error
                 self._record("record_failure", error.cause.value)
@@ -533,20 +555,23 @@ class TieredConnectorWorker:
             return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def _store_report(self) -> dict | None:
-        """Store gauges and counter deltas since the last report; None when nothing changed."""
-        if self.store is None:
+        """Store counter deltas since the last report, gauges for the log line, and the store's
+        address (the API server reads the store's state from it at scrape time, prom.py); None
+        when nothing changed since the last report (the first one always goes out)."""
+        if self.store is None or self.server is None:
             return None
         counters = self.store.stats.snapshot()
         usage = self.store.usage()
         gauges = {"entries": usage["entries"], "dram_bytes": usage["dram"]["used_bytes"],
                   "nvme_bytes": usage["nvme"]["used_bytes"]}
-        last_counters, last_gauges = self._store_last
+        last_counters, last_gauges = self._store_last or ({}, None)
         deltas = {k: v - last_counters.get(k, 0) for k, v in counters.items() if isinstance(v, (int, float))}
         deltas = {k: v for k, v in deltas.items() if v}
         if not deltas and gauges == last_gauges:
             return None
         self._store_last = (counters, gauges)
-        return {"gauges": gauges, "deltas": deltas}
+        addr = f"{self.config.advertise_host or self.server.host}:{self.server.port}"
+        return {"addrs": [addr], "gauges": gauges, "deltas": deltas}
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:

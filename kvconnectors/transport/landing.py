@@ -29,7 +29,7 @@ import xxhash
 
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.store import TieredStore
-from kvconnectors.transport import wire
+from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.client import _cause  # a peer's cause string, unknown ones as protocol
 from kvconnectors.transport.faults import FaultRule, corrupted
 
@@ -58,8 +58,10 @@ class ConnectionState:
 
 class Landing:
     def __init__(self, store: TieredStore, *, fingerprint: str, num_layers: int,
-                 nixl_sink_factory: Callable[[], object] | None = None, seen_grace_s: float = 5.0):
+                 nixl_sink_factory: Callable[[], object] | None = None, seen_grace_s: float = 5.0,
+                 test_hooks: bool = False):
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
+        self.test_hooks = test_hooks  # honour per-transfer corruption marks (tamper.py): tests only
         self._sink_factory = nixl_sink_factory
         self._sink = None
         self._nixl_lock = threading.Lock()
@@ -67,6 +69,8 @@ class Landing:
         self._cond = threading.Condition()
         self._failed: OrderedDict[str, TransferError] = OrderedDict()
         self._seen: OrderedDict[str, float] = OrderedDict()  # transfer id -> first chunk arrival
+        # transfer id -> bytes landed per data path (bounded like _seen: a request may never come)
+        self._path_bytes: OrderedDict[str, dict[str, int]] = OrderedDict()
         self.counters = {"pushes": 0, "push_bytes": 0, "landed": 0, "failed": 0}
 
     # ------------------------------------------------------------------ consumer side
@@ -99,6 +103,12 @@ class Landing:
         with self._cond:
             self._failed.pop(transfer_id, None)
             self._seen.pop(transfer_id, None)
+            self._path_bytes.pop(transfer_id, None)
+
+    def landed_bytes(self, transfer_id: str) -> dict[str, int]:
+        """Bytes of `transfer_id` that landed here over each push data path ("push_tcp", "push_nixl")."""
+        with self._cond:
+            return dict(self._path_bytes.get(transfer_id, {}))
 
     # ------------------------------------------------------------------ producer connections
     def handle_push(self, sock: socket.socket, msg: wire.Push, conn: ConnectionState,
@@ -138,7 +148,7 @@ class Landing:
                     self._fail(msg.transfer_id, exc, conn)
                     _hang_up(sock)
                     return
-                self._land(msg, buf, fault)
+                self._land(msg, buf, fault, "push_tcp")
             else:
                 self._land_nixl(msg, conn)
         except TransferError as exc:
@@ -159,6 +169,7 @@ class Landing:
         with self._cond:
             self._failed[transfer_id] = TransferError(why.cause, f"the consumer stopped waiting for it: {why}")
             self._seen.pop(transfer_id, None)
+            self._path_bytes.pop(transfer_id, None)
         try:
             self.store.release(transfer_id)
         except TransferError:
@@ -264,10 +275,14 @@ class Landing:
                 self._seen.popitem(last=False)
             self._cond.notify_all()
 
-    def _land(self, msg: wire.Push, buf: np.ndarray, fault: FaultRule | None) -> None:
+    def _land(self, msg: wire.Push, buf: np.ndarray, fault: FaultRule | None, path: str) -> None:
+        """Verify and write one group that arrived over `path` (bytes counted per path)."""
         if fault is not None and fault.action == "corrupt":
             buf[0] = np.frombuffer(corrupted(memoryview(buf[0])), dtype=np.uint8)
-        if msg.checksums is not None:
+        silent = tamper.kind_of(msg.transfer_id, self.test_hooks) == "corrupt"
+        if silent:  # test hook: corrupt where the push delivered the bytes, unnoticed by checksums
+            tamper.corrupt(buf)
+        if msg.checksums is not None and not silent:
             for i, want in enumerate(msg.checksums):
                 got = xxhash.xxh3_64_intdigest(buf[i])
                 if got != want:
@@ -279,6 +294,11 @@ class Landing:
             self.store.write(msg.transfer_id, msg.layers, msg.first_block, buf)  # the group in one call
         except OSError as exc:
             raise TransferError(FailureCause.STORE_FULL, f"landing store write failed: {exc}") from None
+        with self._cond:
+            paths = self._path_bytes.setdefault(msg.transfer_id, {})
+            paths[path] = paths.get(path, 0) + buf.nbytes
+            while len(self._path_bytes) > MAX_FAILURES:
+                self._path_bytes.popitem(last=False)
 
     def _land_nixl(self, msg: wire.Push, conn: ConnectionState) -> None:
         """READ the blocks from the producer's arena into one registered bounce buffer (in pieces
@@ -302,10 +322,10 @@ class Landing:
                           np.uint64(msg.nixl_base_address) + offsets[start:start + n], local, slot,
                           read_deadline(n * slot))
                 if out is None:
-                    self._land(msg, dst, None)
+                    self._land(msg, dst, None, "push_nixl")
                     return
                 out[start:start + n] = dst
-        self._land(msg, out, None)
+        self._land(msg, out, None, "push_nixl")
 
     def _nixl_sink(self):
         if self._sink is None:
@@ -325,6 +345,7 @@ class Landing:
         logger.warning("pushed transfer %s from %s failed to land: %s", tid, conn.peer, exc)
         with self._cond:
             self.counters["failed"] += 1
+            self._path_bytes.pop(tid, None)
             self._failed[tid] = exc
             while len(self._failed) > MAX_FAILURES:
                 self._failed.popitem(last=False)

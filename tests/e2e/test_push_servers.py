@@ -11,6 +11,7 @@ import pytest
 from integration.cluster import PDCluster
 from kvconnectors.serving import complete
 from kvconnectors.testing.compare import assert_same_tokens
+from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
 from kvconnectors.transport.client import store_status
@@ -23,6 +24,7 @@ LENGTHS = (block_edge_lengths(BLOCK) + [300, 700, 1200, 2000]) * 2
 MAX_TOKENS = 10
 CONCURRENCY = 8
 PUSH = {"layer_group_size": 2, "layerwise_min_tokens": 256}
+CONTROL_LENGTHS = control_lengths(BLOCK) + [300]  # block boundaries (bulk push) and one layer-wise
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +34,36 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def colocated(deep_model: str, prompts: list[list[int]]) -> list[list[int]]:
+def control_prompts() -> list[list[int]]:
+    return token_prompts(CONTROL_LENGTHS, seed=24)
+
+
+@pytest.fixture(scope="module")
+def colocated(deep_model: str, prompts: list[list[int]], control_prompts: list[list[int]]) -> list[list[int]]:
+    """Colocated outputs of `prompts`, then of `control_prompts`."""
     with llm_engine(deep_model) as llm:
-        return generate_ids(llm, prompts, MAX_TOKENS)
+        return generate_ids(llm, prompts + control_prompts, MAX_TOKENS)
+
+
+def run_requests(pd: PDCluster, prompts: list[list[int]], **extra) -> list[dict]:
+    name = pd.prefill[0].served_model_name
+
+    def one(p: list[int]) -> dict:
+        return complete(pd.proxy_url, p, model=name, max_tokens=MAX_TOKENS, timeout=180, **extra)
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        return list(pool.map(one, prompts))
 
 
 def run_workload(pd: PDCluster, prompts: list[list[int]]) -> list[list[int]]:
-    name = pd.prefill[0].served_model_name
+    return [list(r["choices"][0]["token_ids"]) for r in run_requests(pd, prompts)]
 
-    def one(p: list[int]) -> list[int]:
-        return list(complete(pd.proxy_url, p, model=name, max_tokens=MAX_TOKENS, timeout=180)["choices"][0]["token_ids"])
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        return list(pool.map(one, prompts))
+
+def assert_corrupted_pushes_change_output(pd: PDCluster, control_prompts, expected, fault: str, what: str) -> None:
+    """Negative control on the running pair: pushes the test hooks corrupt (`fault`) complete
+    normally and decode other tokens."""
+    outs = run_requests(pd, control_prompts, kv_transfer_params={"kvc_fault": fault})
+    assert_control_changed(expected, [list(r["choices"][0]["token_ids"]) for r in outs],
+                           [r["choices"][0]["finish_reason"] for r in outs], CONTROL_LENGTHS, what=what)
 
 
 def stores_empty(pd: PDCluster, timeout: float = 10.0) -> list:
@@ -65,19 +85,31 @@ def total(metrics: dict, name: str, **labels: str) -> float:
     # long prompts prefilled over several steps: groups of each step's whole blocks go out as staged
     ("tcp", "--max-num-batched-tokens 512 --max-num-seqs 8"),
 ], ids=["tcp", "nixl", "tcp-chunked"])
-def test_push_servers_equal_colocated(deep_model, prompts, colocated, transport, vllm_args, tmp_path) -> None:
-    kv = {"kv_connector_extra_config": PUSH}
+def test_push_servers_equal_colocated(deep_model, prompts, control_prompts, colocated, transport, vllm_args,
+                                     tmp_path) -> None:
+    """Identity in push mode with every loaded byte landed over the push path of `transport`;
+    then two negative controls on the same servers: pushes corrupted where they land (the
+    landing side's receive, checksum skipped) and landed copies corrupted on their way into the
+    KV blocks. Seen to fail: with tamper.corrupt made a no-op both report 'decoded identically'."""
+    kv = {"kv_connector_extra_config": {**PUSH, "test_hooks": True}}
+    n = len(prompts)
     with PDCluster(deep_model, transport=transport, mode="push", kv_extra=kv, vllm_args=vllm_args,
-                   log_dir=tmp_path) as pd:
-        assert_same_tokens(colocated, run_workload(pd, prompts))
+                   proxy_args=["--forward-kv-params", "kvc_fault"], log_dir=tmp_path) as pd:
+        assert_same_tokens(colocated[:n], run_workload(pd, prompts))
         statuses = stores_empty(pd)
         assert all(s.entries == 0 and s.dram_used_bytes == 0 for s in statuses), statuses
+        for fault in ("corrupt", "corrupt_landed"):
+            assert_corrupted_pushes_change_output(pd, control_prompts, colocated[n:], fault,
+                                                  f"{fault} pushes over {transport}")
         run_workload(pd, prompts[:1])  # one more step reports the last interval's stats
         p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
     assert total(p, "kvconnectors:pushes_total") >= len(prompts), "transfers were not pushed"
     assert total(p, "kvconnectors:pushed_bytes_total") > 0
     assert total(d, "kvconnectors:push_fallbacks_total") == 0, "pushed KV did not land; the decode pulled it"
-    assert total(d, "kvconnectors:transfers_total") >= len(prompts)
+    assert total(d, "kvconnectors:transfers_total") >= len(prompts) + 2 * len(control_prompts)
+    path = f"push_{transport}"
+    moved = {lab.get("path"): v for lab, v in d.get("kvconnectors:transfer_bytes_total", []) if v}
+    assert set(moved) == {path}, f"KV bytes by data path {moved}: expected every byte landed over {path}"
     # the decode read the prompts' KV from its own host-memory landing store
     assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="host") > 0
 
@@ -90,7 +122,7 @@ def test_decode_hanging_up_mid_push_fails_loudly_and_recompute_heals(deep_model,
     kv = {"kv_load_failure_policy": "recompute",
           "kv_connector_extra_config": {**PUSH, "fault_injection": [{"action": "truncate", "on": "push", "nth": 5}]}}
     with PDCluster(deep_model, transport="tcp", mode="push", kv_extra=kv, log_dir=tmp_path) as pd:
-        assert_same_tokens(colocated, run_workload(pd, prompts))
+        assert_same_tokens(colocated[:len(prompts)], run_workload(pd, prompts))
         statuses = stores_empty(pd)
         assert all(s.entries == 0 for s in statuses), statuses
         run_workload(pd, prompts[:1])
@@ -106,18 +138,19 @@ def test_small_dram_spills_both_sides_and_reports_disk_hits(deep_model, prompts,
     kv = {"kv_connector_extra_config": {**PUSH, "dram_bytes": "2MiB", "nvme_dirs": [str(tmp_path / "nvme")],
                                         "nvme_bytes": "512MiB"}}
     with PDCluster(deep_model, transport="tcp", mode="push", kv_extra=kv, log_dir=tmp_path / "logs") as pd:
-        assert_same_tokens(colocated, run_workload(pd, prompts))
+        assert_same_tokens(colocated[:len(prompts)], run_workload(pd, prompts))
         statuses = stores_empty(pd)
         assert all(s.entries == 0 and s.nvme_used_bytes == 0 for s in statuses), statuses
+        # The stores' accounting (above) shows the NVMe space given back. On disk there is no name
+        # to look for, even after vLLM SIGKILLs its workers: an extent file's name is removed as
+        # soon as it is open, which is what this checks.
+        assert not list((tmp_path / "nvme").glob("kvc-*.kv")), "extent files keep a name while in use"
         run_workload(pd, prompts[:1])
         p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
     assert total(d, "kvconnectors:push_fallbacks_total") == 0
     assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="disk") > 0
     assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="host") > 0
     assert total(p, "kvconnectors:store_hits_nvme_total") > 0, "the prefill pushed nothing from its NVMe tier"
-    # vLLM SIGKILLs its workers at shutdown: the stores never close, yet nothing is left on disk
-    # (an extent file's name is removed as soon as it is open; the kernel frees the space).
-    assert not list((tmp_path / "nvme").glob("*.kv")), "NVMe extent files left behind"
 
 
 def test_refused_pushes_fall_back_to_pull_also_when_queued_past_the_lease_ttl(deep_model, prompts, colocated,
@@ -149,7 +182,7 @@ def test_refused_pushes_fall_back_to_pull_also_when_queued_past_the_lease_ttl(de
         assert waited > 2 * ttl, f"the pushed requests did not queue past the lease TTL ({waited:.1f} s)"
         assert_same_tokens([colocated[i] for i in long_ids], outs)
 
-        assert_same_tokens(colocated, run_workload(pd, prompts))
+        assert_same_tokens(colocated[:len(prompts)], run_workload(pd, prompts))
         statuses = stores_empty(pd)
         assert all(s.entries == 0 for s in statuses), statuses
         d = dec.metrics()

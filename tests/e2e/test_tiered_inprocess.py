@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from kvconnectors.testing.compare import assert_same_tokens, first_mismatch
-from kvconnectors.testing.engines import generate_ids, llm_engine
+from kvconnectors.testing.compare import assert_same_tokens
+from kvconnectors.testing.controls import assert_control_changed, control_lengths
+from kvconnectors.testing.engines import generate_ids, generate_outputs, llm_engine
 from kvconnectors.testing.pd import assert_engine_idle, decode, prefill, worker_connector
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
 
@@ -31,27 +32,58 @@ def prompts() -> list[list[int]]:
     return token_prompts(LENGTHS, seed=7)
 
 
+CONTROL_LENGTHS = control_lengths(BLOCK)
+
+
 @pytest.fixture(scope="module")
-def colocated(tiny_model: str, prompts: list[list[int]]) -> list[list[int]]:
+def control_prompts() -> list[list[int]]:
+    return token_prompts(CONTROL_LENGTHS, seed=8)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model: str, prompts: list[list[int]], control_prompts: list[list[int]]) -> list[list[int]]:
+    """Colocated outputs of `prompts`, then of `control_prompts`."""
     with llm_engine(tiny_model) as llm:
-        return generate_ids(llm, prompts, MAX_TOKENS)
+        return generate_ids(llm, prompts + control_prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_handoff_equals_colocated(tiny_model, prompts, colocated, transport) -> None:
-    with llm_engine(tiny_model, kv_transfer_config=tiered(transport)) as llm:
+def test_handoff_equals_colocated(tiny_model, prompts, control_prompts, colocated, transport) -> None:
+    """Identity over `transport`, every byte carried by it, and on the same engine and path a
+    negative control: prompts at block boundaries whose KV is silently corrupted where the path
+    delivers it (test hook, checksum skipped for them) complete normally with other tokens.
+    Seen to fail: with tamper.corrupt made a no-op the control reports 'decoded identically'."""
+    cfg = tiered(transport, test_hooks=True)
+    with llm_engine(tiny_model, kv_transfer_config=cfg) as llm:
         tickets = prefill(llm, prompts)
         assert all(t and t.get("do_remote_prefill") for t in tickets), tickets[:2]
-        store = worker_connector().connector_worker.store
+        w = worker_connector().connector_worker
         # The producer holds no engine blocks once staged; the store serves every prompt.
         assert_engine_idle(llm)
-        assert store.usage()["entries"] == len(prompts), store.usage()
+        assert w.store.usage()["entries"] == len(prompts), w.store.usage()
         outs = decode(llm, prompts, tickets, MAX_TOKENS)
-        assert_same_tokens(colocated, [list(o.outputs[0].token_ids) for o in outs])
+        assert_same_tokens(colocated[:len(prompts)], [list(o.outputs[0].token_ids) for o in outs])
         assert_engine_idle(llm)
-        assert store.usage()["entries"] == 0, f"store not empty after release: {store.usage()}"
-        stats = worker_connector().connector_worker.totals.data
+        assert w.store.usage()["entries"] == 0, f"store not empty after release: {w.store.usage()}"
+        stats = w.totals.data
         assert stats["transfers"] == len(prompts) and not stats["failures"], stats
+        assert set(stats["bytes_by_path"]) == {transport} and stats["bytes_by_path"][transport] > 0, stats
+        assert not stats["path_fallbacks"], stats["path_fallbacks"]
+
+        bad = prefill_marked(llm, control_prompts, "corrupt")
+        outs = decode(llm, control_prompts, bad, MAX_TOKENS)
+        assert_control_changed(colocated[len(prompts):], [list(o.outputs[0].token_ids) for o in outs],
+                               [o.outputs[0].finish_reason for o in outs], CONTROL_LENGTHS,
+                               what=f"corrupted {transport} pulls")
+        assert set(w.totals.data["bytes_by_path"]) == {transport}, w.totals.data["bytes_by_path"]
+        assert_engine_idle(llm)
+        assert w.store.usage()["entries"] == 0
+
+
+def prefill_marked(llm, prompts: list[list[int]], fault: str) -> list[dict | None]:
+    """Prefill legs whose transfers the test hooks corrupt (kv_transfer_params kvc_fault)."""
+    outs = generate_outputs(llm, prompts, 1, [{"do_remote_decode": True, "kvc_fault": fault}] * len(prompts))
+    return [o.kv_transfer_params for o in outs]
 
 
 def test_chunked_prefill_stages_every_block_once(tiny_model, prompts, colocated) -> None:
@@ -66,22 +98,8 @@ def test_chunked_prefill_stages_every_block_once(tiny_model, prompts, colocated)
         blocks = sum(-(-n // BLOCK) for n in LENGTHS)
         assert stats["blocks_staged"] == layers * blocks, (stats["blocks_staged"], layers * blocks)
         outs = decode(llm, prompts, tickets, MAX_TOKENS)
-        assert_same_tokens(colocated, [list(o.outputs[0].token_ids) for o in outs])
+        assert_same_tokens(colocated[:len(prompts)], [list(o.outputs[0].token_ids) for o in outs])
         assert_engine_idle(llm)
-
-
-def test_corrupted_transfer_changes_output(tiny_model, prompts, colocated) -> None:
-    """Negative control: bytes flipped in transit, checksums off -> the decode output changes."""
-    cfg = tiered(checksum=False, fault_injection=[{"action": "corrupt", "on": "read"}])
-    with llm_engine(tiny_model, kv_transfer_config=cfg) as llm:
-        tickets = prefill(llm, prompts)
-        outs = decode(llm, prompts, tickets, MAX_TOKENS)
-    decoded = [list(o.outputs[0].token_ids) for o in outs]
-    changed = [i for i in range(len(prompts)) if first_mismatch([colocated[i]], [decoded[i]])]
-    multi_block = [i for i, n in enumerate(LENGTHS) if n > 2 * BLOCK]
-    assert set(multi_block) <= set(changed), (
-        f"corrupted KV left prompts {sorted(set(multi_block) - set(changed))} unchanged: the test "
-        "could not catch a broken transfer")
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
@@ -101,7 +119,7 @@ def test_checksum_catches_corruption(tiny_model, prompts, colocated, policy) -> 
         assert_same_tokens([colocated[i] for i in ok], [decoded[i] for i in ok])
     else:
         assert "error" not in reasons
-        assert_same_tokens(colocated, decoded)
+        assert_same_tokens(colocated[:len(prompts)], decoded)
 
 
 def test_unreachable_producer_fails_fast_and_engine_keeps_serving(tiny_model, prompts, colocated) -> None:
@@ -215,13 +233,13 @@ def test_dram_budget_far_below_the_workload_spills_to_nvme(tiny_model, prompts, 
         outs = decode(llm, prompts, tickets, MAX_TOKENS)
         stats = store.stats.snapshot()
         assert stats["spills"] > 0 and (stats["restores"] + stats["hits_nvme"]) > 0, stats
-        assert store.usage()["entries"] == 0
+        after = store.usage()  # the store's own accounting: the NVMe space is given back, not just the entries
+        assert after["entries"] == 0 and after["nvme"]["used_bytes"] == 0, after
         # the extent files hold their space without a name: nothing can be left behind, however
         # the worker ends
         assert [os.fstat(f.lock_fd).st_nlink for f in store._nvme.files] == [0, 0]
         assert not [p for d in nvme for p in os.listdir(d)], "extent files keep a name while in use"
-    assert_same_tokens(colocated, [list(o.outputs[0].token_ids) for o in outs])
-    assert not [p for d in nvme for p in os.listdir(d)], "NVMe files left behind after shutdown"
+    assert_same_tokens(colocated[:len(prompts)], [list(o.outputs[0].token_ids) for o in outs])
 
 
 def test_store_full_fails_only_what_does_not_fit(tiny_model, prompts, colocated) -> None:

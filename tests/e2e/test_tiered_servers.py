@@ -9,7 +9,8 @@ import pytest
 from integration.cluster import PDCluster
 from kvconnectors.serving import complete
 from kvconnectors.transport.client import store_status
-from kvconnectors.testing.compare import assert_same_tokens, first_mismatch
+from kvconnectors.testing.compare import assert_same_tokens
+from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
 
@@ -19,6 +20,10 @@ BLOCK = 32
 LENGTHS = (block_edge_lengths(BLOCK) * 4)[:20]   # under a block, exactly a block, many blocks
 MAX_TOKENS = 12
 CONCURRENCY = 8
+CONTROL_LENGTHS = control_lengths(BLOCK)
+# Per-request corruption (test hooks) beside clean requests: the proxy passes kvc_fault on.
+TEST_HOOKS = {"kv_connector_extra_config": {"test_hooks": True}}
+FORWARD_FAULT = ["--forward-kv-params", "kvc_fault"]
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +32,29 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_model: str, prompts: list[list[int]]) -> list[list[int]]:
+def control_prompts() -> list[list[int]]:
+    return token_prompts(CONTROL_LENGTHS, seed=12)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model: str, prompts: list[list[int]], control_prompts: list[list[int]]) -> list[list[int]]:
+    """Colocated outputs of `prompts`, then of `control_prompts`."""
     with llm_engine(tiny_model) as llm:
-        return generate_ids(llm, prompts, MAX_TOKENS)
+        return generate_ids(llm, prompts + control_prompts, MAX_TOKENS)
 
 
-def run_workload(pd: PDCluster, model_name: str, prompts: list[list[int]]) -> list[dict]:
+def run_workload(pd: PDCluster, model_name: str, prompts: list[list[int]], **extra) -> list[dict]:
     def one(p: list[int]) -> dict:
-        return complete(pd.proxy_url, p, model=model_name, max_tokens=MAX_TOKENS, timeout=120)
+        return complete(pd.proxy_url, p, model=model_name, max_tokens=MAX_TOKENS, timeout=120, **extra)
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         return list(pool.map(one, prompts))
+
+
+def by_label(metrics: dict, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for labels, v in metrics.get(name, []):
+        out[labels.get(label, "")] = out.get(labels.get(label, ""), 0) + v
+    return {k: v for k, v in out.items() if v}
 
 
 def token_ids(resp: dict) -> list[int]:
@@ -57,28 +75,40 @@ def producer_store(pd: PDCluster):
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm", "nixl"])
-def test_pd_servers_equal_colocated(tiny_model, prompts, colocated, transport, tmp_path) -> None:
-    with PDCluster(tiny_model, transport=transport, log_dir=tmp_path) as pd:
+def test_pd_servers_equal_colocated(tiny_model, prompts, control_prompts, colocated, transport, tmp_path) -> None:
+    """Identity over `transport` with every pulled byte carried by it (the decode's path-labelled
+    metrics), then on the same servers a negative control: block-boundary prompts whose KV is
+    silently corrupted where this path delivers it complete normally with other tokens.
+    Seen to fail: with tamper.corrupt made a no-op the control reports 'decoded identically'."""
+    with PDCluster(tiny_model, transport=transport, kv_extra=TEST_HOOKS, proxy_args=FORWARD_FAULT,
+                   log_dir=tmp_path) as pd:
         name = pd.prefill[0].served_model_name
         outs = run_workload(pd, name, prompts)
-        assert_same_tokens(colocated, [token_ids(r) for r in outs])
+        assert_same_tokens(colocated[:len(prompts)], [token_ids(r) for r in outs])
         assert_instances_idle(pd)
         status = producer_store(pd)
         assert status.entries == 0 and status.dram_used_bytes == 0, f"store not empty after release: {status}"
         assert status.counters["releases"] == len(prompts), status.counters
         assert status.active_connections == 0, f"{status.active_connections} consumer connections left open"
-        moved = pd.decode[0].metrics().get("kvconnectors:transfer_bytes_total", [])
-        assert sum(v for _, v in moved) > 0, "no KV bytes were pulled: the decode recomputed the prompts"
 
-
-def test_corrupted_transfer_changes_output_between_servers(tiny_model, prompts, colocated, tmp_path) -> None:
-    kv = {"kv_connector_extra_config": {"checksum": False, "fault_injection": [{"action": "corrupt"}]}}
-    with PDCluster(tiny_model, transport="tcp", kv_extra=kv, log_dir=tmp_path) as pd:
-        outs = run_workload(pd, pd.prefill[0].served_model_name, prompts)
-    decoded = [token_ids(r) for r in outs]
-    long = [i for i, n in enumerate(LENGTHS) if n > 2 * BLOCK]
-    unchanged = [i for i in long if first_mismatch([colocated[i]], [decoded[i]]) is None]
-    assert not unchanged, f"prompts {unchanged} decoded identically from corrupted KV"
+        bad = run_workload(pd, name, control_prompts, kv_transfer_params={"kvc_fault": "corrupt"})
+        assert_control_changed(colocated[len(prompts):], [token_ids(r) for r in bad],
+                               [r["choices"][0]["finish_reason"] for r in bad], CONTROL_LENGTHS,
+                               what=f"corrupted {transport} pulls between servers")
+        run_workload(pd, name, prompts[:1])  # one more step reports the last interval's stats
+        d = pd.decode[0].metrics()
+        # The idle producer's state gauges are read from its store at scrape time: zeros now
+        # that every entry was released (a last-interval gauge would still show entries).
+        assert_instances_idle(pd)
+        p = pd.prefill[0].metrics()
+        state = {k: sum(v for _, v in p.get(f"kvconnectors:store_{k}", [(None, -1)]))
+                 for k in ("entries", "dram_bytes", "nvme_bytes", "pinned", "up")}
+        assert state == {"entries": 0, "dram_bytes": 0, "nvme_bytes": 0, "pinned": 0, "up": 1}, state
+    moved = by_label(d, "kvconnectors:transfer_bytes_total", "path")
+    assert set(moved) == {transport}, f"KV bytes by data path {moved}: expected every byte over {transport}"
+    count = by_label(d, "kvconnectors:transfers_total", "path")
+    assert count.get(transport, 0) >= len(prompts) + len(control_prompts), count
+    assert not by_label(d, "kvconnectors:path_fallbacks_total", "used"), "a load fell back to another path"
 
 
 def test_spills_and_transfers_show_on_the_servers_metrics(tiny_model, prompts, colocated, tmp_path) -> None:
@@ -88,7 +118,7 @@ def test_spills_and_transfers_show_on_the_servers_metrics(tiny_model, prompts, c
                                         "nvme_bytes": "64MiB"}}
     with PDCluster(tiny_model, transport="tcp", kv_extra=kv, log_dir=tmp_path / "logs") as pd:
         outs = run_workload(pd, pd.prefill[0].served_model_name, prompts)
-        assert_same_tokens(colocated, [token_ids(r) for r in outs])
+        assert_same_tokens(colocated[:len(prompts)], [token_ids(r) for r in outs])
         run_workload(pd, pd.prefill[0].served_model_name, prompts[:1])  # a step to report the last reads
         p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
     total = lambda m, name: sum(v for _, v in m.get(name, []))  # noqa: E731

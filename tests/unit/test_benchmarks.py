@@ -287,3 +287,245 @@ def test_layerwise_cli_help(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--group" in out and "--time-scale" in out and "--short-tokens" in out and "layer-wise" in out
+
+
+# --------------------------------------------------------------------------------------------
+# e2e: output comparison with colocated, errors, verdicts and exit code (synthetic runs; no engine)
+
+
+def _e2e_args(*argv: str):
+    import argparse
+
+    from benchmarks import e2e
+
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _e2e_run(gap_s: float, freeze_s: float, ttft_s: float, user_tokens: int = 400, users: int = 2,
+             longs: int = 2) -> dict:
+    """One configuration's raw run as _scenario returns it: `users` streams one token per gap_s from
+    t=0, with one freeze_s gap at t~1.1 (while the long prompts, sent at t=1.0, are in prefill), and
+    long prompts whose first token comes ttft_s after they were sent. The token ids are the same in
+    every configuration, as greedy decoding of the same prompts gives them."""
+    def stream(i: int) -> dict:
+        times, t = [], 0.0
+        for _ in range(user_tokens):
+            times.append(round(t, 6))
+            t += freeze_s if freeze_s and 1.1 <= t < 1.1 + gap_s else gap_s
+        return {"sent": 0.0, "times": times, "token_ids": [1000 * i + k for k in range(user_tokens)],
+                "finish_reason": "length", "error": None}
+
+    def long(i: int) -> dict:
+        first = 1.0 + ttft_s
+        return {"sent": 1.0, "times": [first + 0.01 * k for k in range(16)],
+                "token_ids": [7 + i + k for k in range(16)], "finish_reason": "length", "error": None}
+
+    return {"users": [stream(i) for i in range(users)], "longs": [long(i) for i in range(longs)]}
+
+
+def _e2e_raw() -> dict:
+    """colocated freezes the streams 1.5 s per long prefill; tiered and nixl do not freeze them, tiered
+    pays 1.64x the long TTFT (within the 2.5x target), nixl 4.3x (no target applies to it)."""
+    return {"colocated": _e2e_run(0.010, 1.5, 1.4), "tiered": _e2e_run(0.012, 0.0, 2.3),
+            "nixl": _e2e_run(0.025, 0.0, 6.0)}
+
+
+def _failed(checks: list[dict]) -> list[tuple[str, str]]:
+    return [(c["config"], c["check"]) for c in checks if not c["passed"]]
+
+
+def test_e2e_clean_run_passes_every_check():
+    """The positive control for the negative ones below: the same synthetic runs, unbroken, pass."""
+    from benchmarks import e2e
+
+    results, checks = e2e.evaluate(_e2e_raw(), _e2e_args())
+    assert _failed(checks) == [] and e2e.exit_code(checks) == 0
+    t = results["tiered"]
+    assert (t["identical"], t["mismatches"], t["errors"]) == (4, 0, [])
+    assert t["worst_gap_vs_colocated"] == pytest.approx(0.012 / 1.5, abs=1e-3)
+    assert t["long_ttft_vs_colocated"] == pytest.approx(2.3 / 1.4, abs=1e-3)
+    assert results["colocated"]["worst_gap_vs_colocated"] == 1.0
+    # every config is checked for errors, every non-reference one for outputs, TieredConnector's for targets
+    assert {(c["config"], c["check"]) for c in checks} == {
+        ("colocated", "failed requests"), ("tiered", "failed requests"), ("nixl", "failed requests"),
+        ("tiered", "outputs == colocated"), ("nixl", "outputs == colocated"),
+        ("tiered", "worst gap (long in flight) vs colocated"), ("tiered", "long-prompt TTFT vs colocated")}
+    assert e2e.exit_code([]) == 1  # nothing checked is not a pass
+
+
+def test_e2e_one_mismatching_token_fails_the_run():
+    """Negative control. Seen to fail: with compare_outputs returning identical=n (no comparison),
+    this test failed on the verdict and the exit code."""
+    from benchmarks import e2e
+
+    raw = _e2e_raw()
+    raw["tiered"]["longs"][1]["token_ids"][5] += 1  # one token of one request, decoded from transferred KV
+    results, checks = e2e.evaluate(raw, _e2e_args())
+    t = results["tiered"]
+    assert (t["identical"], t["mismatches"]) == (3, 1)
+    assert len(t["mismatch_details"]) == 1 and t["mismatch_details"][0].startswith("longs[1]: token 5 differs")
+    assert _failed(checks) == [("tiered", "outputs == colocated")]
+    assert e2e.exit_code(checks) == 1
+    text = e2e.render(results, checks)
+    assert "FAIL" in text and "longs[1]: token 5 differs" in text
+
+
+def test_e2e_one_failed_request_fails_the_run_and_is_not_a_match():
+    """Negative control: a failed request counts as an error and is not compared (so it is not
+    counted as identical either). Seen to fail: with the errors check removed from verdicts, only the
+    outputs check failed; with compare_outputs comparing failed requests too, the failed request (its
+    token ids intact) counted as identical."""
+    from benchmarks import e2e
+
+    raw = _e2e_raw()
+    raw["nixl"]["users"][1]["error"] = "HTTP 500: boom"
+    results, checks = e2e.evaluate(raw, _e2e_args())
+    assert results["nixl"]["errors"] == ["users[1]: HTTP 500: boom"]
+    assert (results["nixl"]["identical"], results["nixl"]["mismatches"]) == (3, 0)
+    assert _failed(checks) == [("nixl", "failed requests"), ("nixl", "outputs == colocated")]
+    assert e2e.exit_code(checks) == 1
+    # a failed reference request: an error of colocated, and the others' copies of it go unchecked
+    raw = _e2e_raw()
+    raw["colocated"]["longs"][0]["error"] = "finish_reason 'abort', expected 'length' (3 tokens)"
+    results, checks = e2e.evaluate(raw, _e2e_args())
+    assert ("colocated", "failed requests") in _failed(checks) and ("tiered", "outputs == colocated") in _failed(checks)
+    assert e2e.exit_code(checks) == 1
+
+
+@pytest.mark.parametrize("broken, key", [
+    (dict(gap_s=0.012, freeze_s=0.3, ttft_s=2.3), "worst_gap_vs_colocated"),  # 0.3 / 1.5 = 0.2x > 0.15x
+    (dict(gap_s=0.012, freeze_s=0.0, ttft_s=4.0), "long_ttft_vs_colocated"),  # 4.0 / 1.4 = 2.86x > 2.5x
+    (dict(gap_s=0.012, freeze_s=0.0, ttft_s=2.3, user_tokens=50), "worst_gap_vs_colocated"),  # not measured
+], ids=["worst-gap", "long-ttft", "not-measured"])
+def test_e2e_missed_target_fails_the_run(broken, key):
+    """Negative control: each README target is computed from the numbers and a miss (or a value that
+    could not be measured: the streams end at 0.5 s, before the long prompts arrive) fails. Seen to
+    fail: with the targets raised to 10x, the first two cases passed; with `value is not None and`
+    dropped (None compared as a pass), the third raised instead of failing the verdict."""
+    from benchmarks import e2e
+
+    short = "user_tokens" in broken  # then colocated streams as few tokens, so the outputs still agree
+    check = e2e.TARGET_LABELS[key]
+    for name in e2e.TARGET_CONFIGS:  # every TieredConnector configuration is held to the targets
+        raw = _e2e_raw()
+        if short:
+            raw = {"colocated": _e2e_run(0.010, 1.5, 1.4, user_tokens=50)}
+        raw[name] = _e2e_run(**broken)
+        results, checks = e2e.evaluate(raw, _e2e_args())
+        assert _failed(checks) == [(name, check)], name
+        assert e2e.exit_code(checks) == 1
+        verdict = next(c for c in checks if c["config"] == name and c["check"] == check)
+        assert verdict["target"] in ("<= 0.15x", "<= 2.5x")
+        assert verdict["measured"] == ("not measured" if short else f"{results[name][key]}x")
+
+
+def test_e2e_incomplete_stream_is_an_error():
+    from benchmarks.e2e import incomplete
+
+    assert incomplete([1, 2, 3], "length", 3) is None
+    assert "finish_reason None" in incomplete([1, 2], None, 3)  # the stream was cut
+    assert "'abort'" in incomplete([1], "abort", 3)
+    assert "2 tokens, expected 3" in incomplete([1, 2], "length", 3)
+
+
+@pytest.mark.timeout(60)
+def test_e2e_stream_reports_every_kind_of_failed_request():
+    """_stream against a fake completions server: a whole stream gives its token ids; an HTTP error, an
+    SSE error event after the 200, a stream cut before its finish_reason and an aborted one are
+    errors. Seen to fail: with the `incomplete` call removed from _stream, the cut and aborted streams
+    came back with error None."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from benchmarks.e2e import _stream
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        mode, n = body["prompt"][0], body["max_tokens"]
+        if mode == 3:
+            return web.Response(status=500, text="engine dead")
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for k in range(n if mode in (0, 4) else 2):
+            last = k == n - 1
+            finish = ("length" if mode == 0 else "abort") if last else None
+            await resp.write(b"data: " + json.dumps({"choices": [{"token_ids": [100 + k], "finish_reason": finish}]})
+                             .encode() + b"\n\n")
+        if mode == 1:
+            await resp.write(b'data: {"error": {"message": "KV transfer failed"}}\n\n')
+        if mode in (0, 4):
+            await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def scenario() -> list[dict]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as s:
+                return [await _stream(s, f"http://127.0.0.1:{port}", "m", [mode], 4, 0.0, 0.0) for mode in range(5)]
+        finally:
+            await runner.cleanup()
+
+    ok, event, cut, http, abort = asyncio.run(scenario())
+    assert ok["error"] is None and ok["token_ids"] == [100, 101, 102, 103] and len(ok["times"]) == 4
+    assert ok["finish_reason"] == "length"
+    assert "KV transfer failed" in event["error"]
+    assert "finish_reason None" in cut["error"] and cut["token_ids"] == [100, 101]
+    assert http["error"] == "HTTP 500: engine dead"
+    assert "'abort'" in abort["error"]
+
+
+@pytest.mark.timeout(60)
+def test_e2e_cli_exit_code_follows_the_verdicts(tmp_path, monkeypatch, capsys):
+    """`kvconnectors bench e2e` end to end with the engines replaced by the synthetic runs: colocated is
+    added as the reference, the table has the errors and mismatches columns, the JSON (and the saved
+    result the README quotes) has the verdicts, and the exit code is 1 on a mismatch. Seen to fail:
+    with run() returning 0 unconditionally (as it did before), the second main() returned 0."""
+    from benchmarks import e2e
+    from kvconnectors.cli import main
+    from kvconnectors.testing import tinymodel
+
+    raw = _e2e_raw()
+    monkeypatch.setattr(tinymodel, "ensure_tiny_model", lambda variant: tmp_path / "no-model")
+    monkeypatch.setattr(e2e, "_run_config", lambda name, model, args, log_dir: raw[name])
+    saved = tmp_path / "results"
+    argv = ["bench", "e2e", "--configs", "tiered,nixl", "--out", str(tmp_path), "--results-dir", str(saved)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "adding colocated" in out and "errors" in out and "mismatches" in out and "all checks PASS" in out
+    on_disk = json.loads((tmp_path / "e2e.json").read_text())
+    assert on_disk["returncode"] == 0 and list(on_disk["results"]) == ["colocated", "tiered", "nixl"]
+    assert on_disk["targets"]["long_ttft_vs_colocated"] == 2.5 and len(on_disk["verdicts"]) == 7
+    assert "token_ids" not in on_disk["raw"]["tiered"]["users"][0]
+    _png(str(tmp_path / "e2e.png"))
+    text = (saved / "e2e.txt").read_text().splitlines()
+    assert "errors  mismatches" in text[1] and text[-1] == "e2e: all checks PASS"
+    record = json.loads((saved / "e2e.json").read_text())
+    assert record["result"]["returncode"] == 0 and (saved / "e2e.json").stat().st_size < 50_000
+
+    raw["tiered"]["users"][0]["token_ids"][-1] += 1  # the last token of one stream
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "e2e: FAIL (1 of 7 checks failed)" in out
+    on_disk = json.loads((tmp_path / "e2e.json").read_text())
+    assert on_disk["returncode"] == 1 and on_disk["results"]["tiered"]["mismatches"] == 1
+    assert json.loads((saved / "e2e.json").read_text())["result"]["returncode"] == 1  # the README refuses it
+
+
+def test_e2e_cli_help(capsys):
+    from kvconnectors.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "e2e", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--long-output-tokens" in out and "exit status is 1" in out

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvconnectors.errors import ConfigError, FailureCause, LeaseExpiredError, StoreFullError, UnknownTransferError
+from kvconnectors.testing import odirect
 from kvconnectors.store import (FakeClock, NotSealedError, StoreClosedError, StoreConfig, TieredStore, rebase)
 from kvconnectors.store import nvme as nvme_mod
 from kvconnectors.store.arena import map_readonly
@@ -387,9 +388,7 @@ def test_spill_io_error_rolls_back(tmp_path, monkeypatch):
 def test_o_direct_is_active_here(tmp_path):
     s = make(tmp_path)
     try:
-        modes = s.nvme_io_mode
-        if set(modes.values()) != {"direct"}:
-            pytest.skip(f"filesystem under {tmp_path} refuses O_DIRECT: {s.nvme_mode_reasons}")
+        odirect.require_direct(s.nvme_io_mode, s.nvme_mode_reasons)  # buffered where O_DIRECT works fails
         a = put(s, "a", 2, 4)
         put(s, "b", 2, 4)  # spill a through O_DIRECT
         out = np.empty(8 * S + 1, np.uint8)[1:].reshape(2, 4, S)  # misaligned: goes via the bounce buffer

@@ -4,6 +4,12 @@ coalesced transfers (one buffer per stretch of adjacent rows) move the right byt
 from __future__ import annotations
 
 import copy
+import fcntl
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +18,7 @@ from kvconnectors.store import nvme as nvme_mod
 from kvconnectors.store.buffers import PAGE, SlotRows, aligned_empty, private_mapping
 from kvconnectors.store.freelist import FreeList
 from kvconnectors.store.nvme import NvmeTier, stripe_labels
+from kvconnectors.testing import odirect
 
 S = PAGE  # slot bytes: a page, so O_DIRECT alignment holds
 
@@ -102,6 +109,46 @@ def _close(mm) -> None:
         pass
 
 
+REPO_CACHE = Path(__file__).resolve().parents[2] / ".cache"  # on the repo's disk, ignored by git
+
+
+@pytest.fixture
+def direct_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory whose filesystem accepts O_DIRECT (asked by `odirect.probe`, not the store):
+    tmp_path, else a fresh one under the repo's .cache/ (tmp_path may be a tmpfs); skip, with
+    every probe's reason, only where neither accepts it."""
+    found, probes = odirect.first_supporting([tmp_path])
+    scratch: Path | None = None
+    if found is None:
+        REPO_CACHE.mkdir(exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix="odirect-", dir=REPO_CACHE))
+        found, more = odirect.first_supporting([scratch])
+        probes += more
+    try:
+        if found is None:
+            pytest.skip("no filesystem here accepts O_DIRECT: " + "; ".join(p.reason for p in probes))
+        yield found
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _reasons(tier: NvmeTier) -> dict[str, str]:
+    return {f.directory: f.mode_reason for f in tier.files}
+
+
+def _outcome(check: Callable[[], None]) -> tuple[str, str]:
+    """How a check ended: "failed", "skipped" or "passed", and its message. A meta-test asserts
+    on this rather than with pytest.raises, under which a skip would skip the meta-test itself."""
+    try:
+        check()
+    except pytest.fail.Exception as exc:
+        return "failed", str(exc)
+    except pytest.skip.Exception as exc:
+        return "skipped", str(exc)
+    return "passed", ""
+
+
 def _counting(monkeypatch) -> list[int]:
     """Record how many buffers each pwritev/preadv of the tier gets."""
     seen: list[int] = []
@@ -157,11 +204,10 @@ def test_io_caps_and_file_boundaries_split_runs(tmp_path, monkeypatch):
         tier.close()
 
 
-def test_unaligned_rows_go_through_the_bounce_buffer(tmp_path):
-    tier = _tier(tmp_path)
+def test_unaligned_rows_go_through_the_bounce_buffer(direct_dir):
+    tier = _tier(direct_dir)
     try:
-        if set(tier.modes.values()) != {"direct"}:
-            pytest.skip(f"filesystem under {tmp_path} refuses O_DIRECT")
+        odirect.require_direct(tier.modes, _reasons(tier))
         src = np.empty(8 * S + 1, np.uint8)[1:].reshape(8, S)  # misaligned by one byte
         src[:] = np.random.default_rng(2).integers(0, 256, src.shape, dtype=np.uint8)
         rows = np.array([6, 7, 0, 1, 2, 4])
@@ -172,6 +218,55 @@ def test_unaligned_rows_go_through_the_bounce_buffer(tmp_path):
         assert np.array_equal(back[rows], src[rows]) and not back[[3, 5]].any()
     finally:
         tier.close()
+
+
+def test_o_direct_is_used_where_the_filesystem_accepts_it(direct_dir):
+    """"auto" must pick O_DIRECT wherever the filesystem takes it, and the descriptor the tier does
+    its I/O on must really carry the flag. Seen to fail: with `_try_direct` returning
+    (None, "forced") the tier reports buffered and `require_direct` fails (the meta-test below
+    keeps that proof); with `io_fd` set to the buffered `lock_fd` the F_GETFL assertion fails."""
+    tier = _tier(direct_dir)
+    try:
+        odirect.require_direct(tier.modes, _reasons(tier))
+        for f in tier.files:
+            assert fcntl.fcntl(f.io_fd, fcntl.F_GETFL) & os.O_DIRECT, (f.directory, f.mode_reason)
+    finally:
+        tier.close()
+
+
+def test_buffered_store_fails_the_check_where_o_direct_works(direct_dir, monkeypatch):
+    """Meta-test: a store forced into buffered I/O (its O_DIRECT decision, `_try_direct`, patched)
+    on a filesystem that accepts O_DIRECT must fail `require_direct`, not skip it. Seen to fail:
+    with require_direct replaced by the old "skip unless every mode is direct", the outcome was
+    ("skipped", ...)."""
+    monkeypatch.setattr(NvmeTier, "_try_direct", lambda self, path, o_direct: (None, "forced buffered"))
+    tier = _tier(direct_dir)
+    try:
+        assert set(tier.modes.values()) == {"buffered"}
+        outcome, message = _outcome(lambda: odirect.require_direct(tier.modes, _reasons(tier)))
+        assert outcome == "failed", (outcome, message)
+        assert "accepts O_DIRECT" in message and "'buffered'" in message and "forced buffered" in message, message
+    finally:
+        tier.close()
+
+
+def test_probe_refusal_is_a_skip_with_its_reason(tmp_path, monkeypatch):
+    """Meta-test: where the filesystem refuses O_DIRECT (here: open() with the flag made to fail
+    with EINVAL, as on tmpfs) a buffered store is a skip naming the refusal, and the probe leaves
+    no file behind. Seen to fail: with `probe` always reporting support, the probe assertion
+    failed; with require_direct skipping with another reason, the message assertion failed."""
+    real_open = os.open
+
+    def no_direct(path, flags, *a, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a, **kw)
+    monkeypatch.setattr(odirect.os, "open", no_direct)
+    got = odirect.probe(tmp_path)
+    assert not got.supported and "open(O_DIRECT)" in got.reason and "Invalid argument" in got.reason
+    assert list(tmp_path.iterdir()) == []
+    outcome, message = _outcome(lambda: odirect.require_direct({str(tmp_path): "buffered"}))
+    assert outcome == "skipped" and "refuses O_DIRECT: open(O_DIRECT)" in message, (outcome, message)
 
 
 def test_bounce_and_scratch_memory_is_private():
