@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.common import HelpFormatter, description
+from benchmarks.common import description
+from kvconnectors.cli_types import HelpFormatter, pipe_safe
 
 # name -> (module, one-line help); modules are imported only when their sub-command is parsed
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cli", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return pipe_safe(lambda: run(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvconnectors.cli_types import HelpFormatter, pipe_safe
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "artifacts" / "bench"
 RESULTS_DIR = REPO_ROOT / "docs" / "results"  # runs the README quotes (see docs/results/README.md)
@@ -171,10 +173,6 @@ def progress(total: int, desc: str, enabled: bool = True):
                 dynamic_ncols=True)
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows defaults and keeps the description's own line breaks (the path tables)."""
-
-
 def description(doc: str | None) -> str:
     """A module docstring up to its "Usage:" paragraph."""
     return (doc or "").split("\nUsage:")[0].strip()
@@ -186,7 +184,7 @@ def module_main(module: str, doc: str | None, add_arguments: Callable[[argparse.
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description(doc),
                                      formatter_class=HelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return pipe_safe(lambda: run(parser.parse_args(argv)))
 
 
 def publish(result: dict[str, Any], out: str | os.PathLike | None, stem: str,
@@ -328,4 +326,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(pipe_safe(main))

@@ -35,7 +35,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from benchmarks.common import DEFAULT_OUT, add_results_argument, ratio, save_results, setup_env, table, write_json
+from benchmarks.common import (DEFAULT_OUT, add_results_argument, module_main, ratio, save_results, setup_env,
+                               table, write_json)
 from kvconnectors.testing.compare import first_mismatch
 
 CONFIGS = ("colocated", "chunked", "tiered", "tiered-push", "tiered-push-bulk", "nixl")
@@ -49,7 +50,7 @@ TARGET_CONFIGS = ("tiered", "tiered-push", "tiered-push-bulk")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of the configurations above")
     parser.add_argument("--variant", default="deep", help="tiny-model variant (deep: 8 layers, 4k context)")
     parser.add_argument("--users", type=int, default=3, help="streaming users decoding throughout")
     parser.add_argument("--user-tokens", type=int, default=1000,
@@ -321,6 +322,4 @@ def _plot(raw: dict[str, Any], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    raise SystemExit(run(p.parse_args()))
+    raise SystemExit(module_main("benchmarks.e2e", __doc__, add_arguments, run))

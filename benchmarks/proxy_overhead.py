@@ -35,7 +35,7 @@ import numpy as np
 from aiohttp import web
 from tqdm import tqdm
 
-from benchmarks.common import add_results_argument, save_results
+from benchmarks.common import add_results_argument, module_main, save_results
 
 NIXL_STYLE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -322,6 +322,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    raise SystemExit(run(p.parse_args()))
+    raise SystemExit(module_main("benchmarks.proxy_overhead", __doc__, add_arguments, run))

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvconnectors.cli_types import PortInUseError, check_port_free, port_or_zero, positive_int
 from kvconnectors.serving import ServerStartError, VllmServer, free_port, stop_all
 
 log = logging.getLogger("kvconnectors.serve-pd")
@@ -172,12 +173,6 @@ def json_object(value: str) -> dict[str, Any]:
     return obj
 
 
-def _count(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
-    return int(value)
-
-
 class _RaisingParser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # type: ignore[override]
         raise ValueError(message)
@@ -218,14 +213,14 @@ def describe(plans: Sequence[InstancePlan], args: argparse.Namespace, log_dir: P
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (or hub id) served by every instance")
     parser.add_argument("--served-model-name", default=None,
-                        help="model name clients send; None means the model directory's name")
-    parser.add_argument("--prefill", type=_count, default=1, metavar="N", help="number of prefill instances")
-    parser.add_argument("--decode", type=_count, default=1, metavar="M", help="number of decode instances")
+                        help="model name clients send (default: the model directory's name)")
+    parser.add_argument("--prefill", type=positive_int, default=1, metavar="N", help="number of prefill instances")
+    parser.add_argument("--decode", type=positive_int, default=1, metavar="M", help="number of decode instances")
     parser.add_argument("--connector", choices=CONNECTORS, default="TieredConnector",
                         help="KV connector every instance loads")
     parser.add_argument("--transport", choices=TRANSPORTS, default=None,
                         help="TieredConnector transport: tcp (any host), shm (same host), nixl; "
-                             "None means tcp. NixlConnector always uses NIXL")
+                             "NixlConnector always uses NIXL (default: tcp)")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull",
                         help="pull: decode fetches the KV after prefill; push: prefill streams it to the "
                              "chosen decode instance's store while computing (TieredConnector)")
@@ -238,7 +233,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'--max-model-len 4096 --max-num-seqs 8' (they override the CPU defaults)")
     parser.add_argument("--host", default="127.0.0.1", help="address the vLLM servers listen on")
     parser.add_argument("--proxy-host", default="127.0.0.1", help="address the proxy listens on")
-    parser.add_argument("--proxy-port", type=int, default=8000, help="port the proxy listens on")
+    parser.add_argument("--proxy-port", type=port_or_zero, default=8000,
+                        help="port the proxy listens on; 0 picks a free one (the log says which)")
     parser.add_argument("--proxy", choices=("inprocess", "subprocess", "none"), default="inprocess",
                         help="run the proxy in this process, as `python -m integration.proxy`, or not at all")
     parser.add_argument("--proxy-args", default="", metavar="ARGS",
@@ -248,7 +244,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-timeout", type=float, default=300.0,
                         help="seconds to wait for every server's /health before giving up")
     parser.add_argument("--log-dir", type=Path, default=None,
-                        help="where <instance>.log files go; None means a new temporary directory")
+                        help="where <instance>.log files go (default: a new temporary directory)")
     parser.add_argument("--quiet", action="store_true",
                         help="do not echo server logs to the terminal (they still go to --log-dir)")
     parser.add_argument("--dry-run", action="store_true",
@@ -265,6 +261,11 @@ def run(args: argparse.Namespace) -> int:
         validate(args)
         plans = plan_instances(args)
         proxy_ns = parse_proxy_argv(proxy_argv(plans, args))
+        if args.proxy != "none" and not args.dry_run:
+            check_port_free(args.proxy_host, args.proxy_port)  # now, not after minutes of vLLM start-up
+    except PortInUseError as exc:
+        print(f"kvconnectors serve-pd: error: {exc.advice('--proxy-port')}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"kvconnectors serve-pd: error: {exc}", file=sys.stderr)
         return 2
@@ -297,7 +298,10 @@ def run(args: argparse.Namespace) -> int:
     except ServerStartError as exc:
         log.error("%s", exc)
         return 1
-    except OSError as exc:  # e.g. the proxy port is taken
+    except PortInUseError as exc:  # taken since the check above
+        print(f"kvconnectors serve-pd: error: {exc.advice('--proxy-port')}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # e.g. the proxy host is not an address of this machine
         log.error("could not start: %s", exc)
         return 1
     except (KeyboardInterrupt, _Stop):

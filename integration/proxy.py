@@ -41,6 +41,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from yarl import URL
 
+from kvconnectors.cli_types import (LOG_LEVELS, HelpFormatter, PortInUseError, binding, log_level,
+                                    non_negative_int, pipe_safe, port_or_zero, positive_float, positive_int)
+from kvconnectors.cli_types import port as parse_port
 # why a decode's KV load failed, as TieredConnector words it (kvconnectors/errors.py imports no vLLM)
 from kvconnectors.errors import CLIENT_ERROR_CAUSE
 
@@ -132,33 +135,14 @@ def parse_key_list(value: str) -> tuple[str, ...]:
 
 
 def parse_hostport(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"invalid address {value!r}: expected HOST:PORT")
-    return f"{host}:{int(port)}"
-
-
-def positive_float(value: str) -> float:
+    host, sep, port_text = value.rpartition(":")
     try:
-        x = float(value)
-    except ValueError:
-        x = -1.0
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
-    return x
-
-
-def non_negative_int(value: str) -> int:
-    if not value.strip().isdigit():
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return int(value)
-
-
-def positive_int(value: str) -> int:
-    n = non_negative_int(value)
-    if n == 0:
-        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value!r}")
-    return n
+        port: int | None = parse_port(port_text)
+    except argparse.ArgumentTypeError:
+        port = None
+    if not sep or not host or port is None:
+        raise argparse.ArgumentTypeError(f"invalid address {value!r}: expected HOST:PORT")
+    return f"{host}:{port}"
 
 
 def parse_prefill(value: str) -> InstanceSpec:
@@ -409,7 +393,8 @@ class PDProxy:
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
-        await site.start()
+        with binding(host, port):  # a taken port: PortInUseError, which the CLI turns into one line
+            await site.start()
         sockets = getattr(site._server, "sockets", None) or []
         self.port = sockets[0].getsockname()[1] if sockets else port
         log.info("P/D proxy on http://%s:%s (mode %s); prefill %s; decode %s", host, self.port,
@@ -779,7 +764,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a decode (kv_consumer) instance; kv= is the address of its KV store, "
                              "needed for push mode; repeat for more")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--port", type=port_or_zero, default=8000,
+                        help="port to listen on; 0 picks a free one (the log says which)")
     parser.add_argument("--mode", choices=MODES, default="pull",
                         help="pull: decode fetches the KV after prefill; push: prefill pushes it to the "
                              f"chosen decode instance while it computes. Per request: header {MODE_HEADER}")
@@ -802,8 +788,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a refused connection during a request takes it out at once)")
     parser.add_argument("--max-connections", type=positive_int, default=1024,
                         help="upper bound on open upstream connections")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="proxy log level")
+    parser.add_argument("--log-level", type=log_level, default="INFO", choices=LOG_LEVELS,
+                        help="proxy log level, in any case (debug or DEBUG)")
     parser.add_argument("--forward-kv-params", type=parse_key_list, default=(), metavar="KEY[,KEY...]",
                         help="keys of the client's own kv_transfer_params to pass on to the prefill leg "
                              "(e.g. kvc_fault for TieredConnector's test hooks); none by default")
@@ -849,7 +835,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvconnectors proxy: error: {exc}", file=sys.stderr)
         return 2
-    _run_loop(serve(config, args.host, args.port))
+    try:
+        _run_loop(serve(config, args.host, args.port))
+    except PortInUseError as exc:
+        print(f"kvconnectors proxy: error: {exc.advice('--port')}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -866,9 +856,9 @@ def _run_loop(coro: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m integration.proxy", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return pipe_safe(lambda: run(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

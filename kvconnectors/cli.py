@@ -3,6 +3,7 @@
 Each sub-command lives in the module that does the work and exposes
 `add_arguments(parser)` and `run(args) -> int`; this file only wires them up, so
 `kvconnectors --help` stays fast (no vLLM or torch import until a command runs).
+DESCRIPTION and EPILOG are what a user reads in `kvconnectors --help`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from kvconnectors.cli_types import HelpFormatter, pipe_safe
+
+DESCRIPTION = """\
+Disaggregated prefill/decode serving for vLLM with TieredConnector: decide whether splitting
+prefill and decode pays off for your model and link, launch prefill and decode `vllm serve` pools
+behind one OpenAI endpoint, check a KV connector against the conformance suite, and measure the
+KV transfer paths."""
+
+EPILOG = """\
+examples:
+  kvconnectors plan --model llama-8b --gpu h100-sxm --link 100gbe
+  kvconnectors serve-pd --model /models/llama-3-8b --prefill 1 --decode 2
+
+`kvconnectors COMMAND --help` lists a command's options."""
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -24,11 +40,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvconnectors", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = argparse.ArgumentParser(prog="kvconnectors", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         if only is not None and name != only:
             continue
         try:
@@ -44,7 +60,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The console script: every command's output may go into a pipe that closes early."""
+    return pipe_safe(lambda: _dispatch(list(sys.argv[1:] if argv is None else argv)))
+
+
+def _dispatch(argv: list[str]) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=command if command in COMMANDS else None)
     args = parser.parse_args(argv)
