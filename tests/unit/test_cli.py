@@ -142,6 +142,25 @@ def test_serve_pd_checks_the_proxy_port_before_starting_servers(busy_port: int, 
     assert "--proxy-port" in err
 
 
+def test_port_check_passes_a_port_left_in_time_wait() -> None:
+    """A proxy stopped a moment ago leaves its port in TIME_WAIT; asyncio binds it again (SO_REUSEADDR),
+    so the check must not call it taken. Port 0 always passes. Negative control: without the
+    SO_REUSEADDR setsockopt in check_port_free, the bind below fails and PortInUseError is raised."""
+    from kvconnectors.cli_types import check_port_free
+
+    with socket.socket() as server:  # a server that closes its side of a connection first
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's servers do
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = server.accept()
+            conn.close()
+            client.recv(1)  # its FIN arrived: the server's side is now in TIME_WAIT
+    check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", 0)
+
+
 # ---------------------------------------------------------------------------------------------------
 # a reader that leaves
 
@@ -160,8 +179,9 @@ def _run_into_closed_pipe(argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("argv", [["plan", "--json"], ["plan"], ["--help"]])
 def test_output_into_a_closed_pipe_exits_0_quietly(argv: list[str]) -> None:
-    """Negative control: with kvconnectors.cli.main calling _dispatch directly (no pipe_safe), the
-    interpreter's last flush prints "Exception ignored ... BrokenPipeError" and exits 120."""
+    """Negative control: with kvconnectors.cli.main calling _dispatch directly (no pipe_safe), these
+    end in a BrokenPipeError traceback (status 1) or, when it surfaces only at the interpreter's last
+    flush, in "Exception ignored ... BrokenPipeError" (status 120), and this test fails."""
     proc = _run_into_closed_pipe(["-m", "kvconnectors.cli", *argv])
     assert proc.returncode == 0, proc.stderr
     assert "BrokenPipeError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
@@ -220,8 +240,8 @@ def test_help_states_each_default_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every command and sub-command, and the standalone module entry points: no help line states
     a default twice, and none shows an empty one ("(default: None)"). COLUMNS is wide so that each
     option's help is one line. Negative control: with argparse.ArgumentDefaultsHelpFormatter in
-    cli_types.HelpFormatter's place, `make-model --root` reads "(default: $KVCONNECTORS_CACHE/models)
-    (default: None)" and this test fails."""
+    cli_types.HelpFormatter's place, `plan --plot` shows "(default: None)" and `make-model --root`
+    reads "(default: $KVCONNECTORS_CACHE/models) (default: None)", and this test fails."""
     monkeypatch.setenv("COLUMNS", "1000")
     seen = 0
     for name, text in _help_of_every_command():
@@ -230,6 +250,27 @@ def test_help_states_each_default_once(monkeypatch: pytest.MonkeyPatch) -> None:
             assert len(_DEFAULT_STATED.findall(line)) <= 1, f"{name} --help states a default twice:\n{line}"
             assert not _EMPTY_DEFAULT.search(line), f"{name} --help shows an empty default:\n{line}"
     assert seen >= len(cli.COMMANDS) + 5 + 3, f"only {seen} help texts: some command was not reached"
+
+
+def test_help_formatter_adds_a_default_only_where_it_says_something(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rules one by one, on flags made for it. Negative control: without the _STATES_DEFAULT test
+    in HelpFormatter._get_help_string, --said reads "(default: 8 workers) (default: 8)" and this fails."""
+    from kvconnectors.cli_types import HelpFormatter
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    parser.add_argument("--said", type=int, default=8, help="workers (default: 8 workers)")
+    parser.add_argument("--said-too", default="x", help="used by default")
+    parser.add_argument("--plain", type=int, default=8, help="workers")
+    parser.add_argument("--unset", default=None, help="a file")
+    parser.add_argument("--empty", default="", help="extra words")
+    parser.add_argument("--flag", action="store_true", help="switch on")
+    lines = {line.split()[0]: line for line in parser.format_help().splitlines() if line.startswith("  --")}
+    assert lines["--said"].endswith("workers (default: 8 workers)"), lines["--said"]
+    assert lines["--said-too"].endswith("used by default"), lines["--said-too"]
+    assert lines["--plain"].endswith("workers (default: 8)"), lines["--plain"]
+    for flag, text in (("--unset", "a file"), ("--empty", "extra words"), ("--flag", "switch on")):
+        assert lines[flag].endswith(text), lines[flag]
 
 
 def test_top_level_help_speaks_to_users(capsys: pytest.CaptureFixture[str]) -> None:
