@@ -190,7 +190,8 @@ def pipe_safe(main: Callable[[], int]) -> int:
     early was the reader's choice, not a failure of the command (`set -o pipefail` scripts that pipe
     into `head` keep working). stdout is flushed here, inside the handler, not at interpreter exit
     where the error would print "Exception ignored ... BrokenPipeError". A BrokenPipeError from
-    anything else (a socket whose peer died) is re-raised: it is a real failure.
+    anything else (a socket whose peer died) is re-raised: it is a real failure. A usage error
+    (SystemExit 2) whose stdout lost its reader too ends with 0: its message went to stderr anyway.
     """
     try:
         try:
