@@ -44,8 +44,8 @@ from yarl import URL
 from kvconnectors.cli_types import (LOG_LEVELS, HelpFormatter, PortInUseError, binding, log_level,
                                     non_negative_int, pipe_safe, port_or_zero, positive_float, positive_int)
 from kvconnectors.cli_types import port as parse_port
-# why a decode's KV load failed, as TieredConnector words it (kvconnectors/errors.py imports no vLLM)
-from kvconnectors.errors import CLIENT_ERROR_CAUSE
+# why a decode's KV load failed, as TieredConnector reports it (kvconnectors/errors.py imports no vLLM)
+from kvconnectors.errors import CLIENT_ERROR_CAUSE_FIELD, FailureCause
 
 log = logging.getLogger("kvconnectors.proxy")
 
@@ -318,6 +318,15 @@ class PassThrough(Exception):
 
 def error_body(status: int, type_: str, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": None, "code": status}}
+
+
+def kv_failure_cause(data: bytes) -> FailureCause | None:
+    """The cause a TieredConnector decode put in its error body's own field (client_errors.py);
+    None for any other body, and for a value this version does not know (metric labels stay bounded)."""
+    try:
+        return FailureCause(json.loads(data)["error"][CLIENT_ERROR_CAUSE_FIELD])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _snippet(data: bytes | str, n: int = 300) -> str:
@@ -675,11 +684,11 @@ class PDProxy:
                             fail.labels("http_4xx").inc()
                             raise PassThrough(up.status, data, up.content_type)
                         text = _snippet(data)
-                        cause = CLIENT_ERROR_CAUSE.search(text)
+                        cause = kv_failure_cause(data)
                         if cause is not None:  # TieredConnector names why the load failed
-                            fail.labels(f"kv_{cause.group(1)}").inc()
+                            fail.labels(f"kv_{cause.value}").inc()
                             raise ProxyError(502, "kv_transfer_error", f"decode instance {inst.url} could not "
-                                             f"load the prompt's KV cache: {text}", f"kv_{cause.group(1)}")
+                                             f"load the prompt's KV cache: {text}", f"kv_{cause.value}")
                         fail.labels("http_5xx").inc()
                         raise ProxyError(502, "upstream_error", f"decode instance {inst.url} returned HTTP "
                                          f"{up.status}: {text}", "http_5xx")

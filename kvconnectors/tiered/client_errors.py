@@ -5,27 +5,41 @@ bare "Internal server error" (HTTP 500, or an SSE error event when streaming): t
 cause never reaches the client (vllm/entrypoints/generate/base/serving.py `_raise_if_error`).
 
 The cause does reach the API-server process through vLLM's own stats channel: the worker records
-`errors[request id] = [cause, message]` in the interval's `TieredStats`, vLLM ships it to the
+`errors[request id] = [cause, detail]` in the interval's `TieredStats`, vLLM ships it to the
 API server, and `TieredPromMetrics.observe` hands it to `remember()` here. The worker reports the
 failure to the scheduler one step after recording it, so the stats always arrive before the
-error output. `install()` wraps `_raise_if_error` once per process so the error names the cause:
+error output. `install()` wraps `_raise_if_error` once per process so the error names the cause,
+in the message for people and in a field of its own for code:
 
     {"error": {"message": "KV transfer failed [checksum_mismatch]: transfer '...': block 3 of 12 ...",
-               "type": "InternalServerError", "code": 500}}
+               "type": "InternalServerError", "param": null, "code": 500,
+               "kv_transfer_cause": "checksum_mismatch"}}
 
-The proxy reads the `[cause]` back out of that message. With `--disable-log-stats` (no stats
-channel) or if a later vLLM moves the hook, clients get vLLM's generic error as before, and the
-cause is still in the decode instance's log and in `kvconnectors:transfer_failures_total`.
+How the field gets there. vLLM turns a `GenerationError` into that body in two places, and lets the
+exception set neither `type` (fixed "InternalServerError"), `param` (forced to None) nor `code`
+(the HTTP status): a JSON response by the FastAPI handler `generation_error_handler`
+(vllm/entrypoints/serve/exception_handling/handlers/vllm_error.py, via `create_error_response`),
+and an SSE event by `GenerateBaseServing._convert_generation_error_to_streaming_response`. Reusing
+`type` or `param` would change what OpenAI clients read there, so the cause gets its own key
+(`CLIENT_ERROR_CAUSE_FIELD`): vLLM's `ErrorInfo` is an OpenAI model with `extra="allow"`, and
+OpenAI clients ignore keys they do not know. `_raise_if_error` raises a `GenerationError`
+subclass that knows its cause; both converters are wrapped to let vLLM build its body as always
+and add that one key when the exception is ours, so vLLM's message, type and status are untouched.
+The proxy reads the key (integration/proxy.py). With `--disable-log-stats` (no stats channel) or if
+a later vLLM moves a hook, clients get vLLM's generic error (or the message without the field)
+and the cause is still in the decode instance's log and in `kvconnectors:transfer_failures_total`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections import OrderedDict
+from typing import Any
 
-from kvconnectors.errors import client_error_message
+from kvconnectors.errors import CLIENT_ERROR_CAUSE_FIELD, client_error_message
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +47,7 @@ MAX_REMEMBERED = 4096       # failures kept while their error output is on its w
 TTL_S = 300.0
 
 _lock = threading.Lock()
-_failures: OrderedDict[str, tuple[str, str, float]] = OrderedDict()  # engine request id -> (cause, msg, t)
+_failures: OrderedDict[str, tuple[str, str, float]] = OrderedDict()  # engine request id -> (cause, detail, t)
 _installed = False
 
 
@@ -60,9 +74,15 @@ def take(api_request_id: str) -> tuple[str, str] | None:
     return None
 
 
+def with_cause(body: dict[str, Any], cause: str) -> dict[str, Any]:
+    """vLLM's error body {"error": {...}} with the cause in its own key (nothing else changes)."""
+    return {**body, "error": {**body["error"], CLIENT_ERROR_CAUSE_FIELD: cause}}
+
+
 def install() -> bool:
-    """Wrap vLLM's `_raise_if_error` (once per process). False when the hook is not where this
-    vLLM version was known to have it; then nothing changes."""
+    """Wrap vLLM's `_raise_if_error` (once per process), and the two places that turn its error
+    into a body, to add the cause field. False when `_raise_if_error` is not where this vLLM
+    version was known to have it; then nothing changes."""
     global _installed
     with _lock:
         if _installed:
@@ -78,16 +98,54 @@ def install() -> bool:
             logger.warning("KV failure causes will not reach HTTP clients (_raise_if_error not found)")
             return False
 
+        class KVLoadError(GenerationError):
+            """vLLM's GenerationError (same status, same handling) that knows its FailureCause."""
+
+            def __init__(self, cause: str, detail: str):
+                super().__init__(client_error_message(cause, detail))
+                self.cause, self.detail = cause, detail
+
         def _raise_if_error(self, finish_reason, request_id):  # noqa: ANN001 - vLLM's signature
             if finish_reason == "error":
                 failure = take(request_id)
                 if failure is not None:
                     logger.error("Request %s failed: its KV load failed [%s]: %s", request_id, *failure)
-                    raise GenerationError(client_error_message(*failure))
+                    raise KVLoadError(*failure)
             return original(self, finish_reason, request_id)
 
         _raise_if_error.__wrapped__ = original  # type: ignore[attr-defined]
         GenerateBaseServing._raise_if_error = _raise_if_error
+        _install_cause_field(GenerateBaseServing, KVLoadError)
         _installed = True
         return True
 
+
+def _install_cause_field(serving: type, error_class: type) -> None:
+    """Add the cause field to the JSON body and the SSE error event vLLM builds for `error_class`."""
+    stream = getattr(serving, "_convert_generation_error_to_streaming_response", None)
+    if stream is None:
+        logger.warning("streamed KV failure errors will not carry %s (vLLM hook not found)", CLIENT_ERROR_CAUSE_FIELD)
+    else:
+        def _convert_generation_error_to_streaming_response(self, e):  # noqa: ANN001 - vLLM's signature
+            text = stream(self, e)
+            return json.dumps(with_cause(json.loads(text), e.cause)) if isinstance(e, error_class) else text
+
+        _convert_generation_error_to_streaming_response.__wrapped__ = stream  # type: ignore[attr-defined]
+        serving._convert_generation_error_to_streaming_response = _convert_generation_error_to_streaming_response
+    try:
+        from starlette.responses import JSONResponse
+        from vllm.entrypoints.serve.exception_handling.handlers import vllm_error
+        handler = vllm_error.generation_error_handler  # looked up by vllm_error_handler at each call
+    except (ImportError, AttributeError) as exc:
+        logger.warning("KV failure error bodies will not carry %s (vLLM hook not found: %s)",
+                       CLIENT_ERROR_CAUSE_FIELD, exc)
+        return
+
+    async def generation_error_handler(req, exc):  # noqa: ANN001 - vLLM's signature
+        response = await handler(req, exc)
+        if not isinstance(exc, error_class):
+            return response
+        return JSONResponse(with_cause(json.loads(response.body), exc.cause), status_code=response.status_code)
+
+    generation_error_handler.__wrapped__ = handler  # type: ignore[attr-defined]
+    vllm_error.generation_error_handler = generation_error_handler

@@ -34,7 +34,7 @@ class RecvSpec:
     block_ids: list[int]      # local destination blocks, for remote blocks [first_block, ...)
     first_block: int
     error_cause: FailureCause | None = None  # params already found bad by the scheduler
-    error_message: str = ""
+    error_message: str = ""   # its TransferError.detail (the cause is error_cause)
     retries: int = 0          # extra attempts for transient failures (failure_policy "retry")
 
 

@@ -139,7 +139,7 @@ class TieredConnectorScheduler:
             spec.retries = kvparams.retries_for(p, self.config.failure_policy, self.config.retries,
                                                 self._engine_policy)
         except TransferError as exc:
-            spec.error_cause, spec.error_message = exc.cause, str(exc)
+            spec.error_cause, spec.error_message = exc.cause, exc.detail
         self._recvs.append(spec)
 
     def _transfer_id(self, req_id: str, p: dict) -> str:

@@ -45,12 +45,6 @@ from kvconnectors.transport.server import StoreServer
 
 logger = logging.getLogger(__name__)
 _MAX_FAILURE_MEMORY = 10_000
-TRANSIENT = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT, FailureCause.CHECKSUM_MISMATCH,
-                       FailureCause.PROTOCOL})
-# A push that broke on the wire (decode gone or stalled) leaves no consumer to pull the staged copy:
-# release it. A push the consumer refused in step (store full, bad checksum, gave up waiting, ...) or
-# one that never connected keeps it: the consumer pulls instead.
-_PUSH_LOST = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT})
 FIRST_CHUNK_GRACE_S = 5.0  # push: no chunk of a transfer landed by then -> pull from the producer
 LANDED_READ_BYTES = 32 << 20  # push: bytes copied out of the landing store per read_into call
 PULL_PATHS = {"inline": "tcp", "shm": "shm", "nixl": "nixl"}  # wire data_path -> metric label
@@ -299,7 +293,9 @@ class TieredConnectorWorker:
                 pass
             return
         self._record("record_failure", f"push_{error.cause.value}")
-        if error.cause in _PUSH_LOST and not getattr(error, "refused", False):
+        # Broke on the wire: no consumer will pull the staged copy. Refused in step (store full, bad
+        # checksum, gave up waiting, ...) or never connected: it keeps it, the consumer pulls instead.
+        if error.cause.push_lost and not error.refused:
             with self._stage_lock:
                 self._fail_staging(tid, TransferError(error.cause, f"push to the decode instance failed: {error}"))
 
@@ -368,8 +364,7 @@ class TieredConnectorWorker:
     def _give_back(self, spec: RecvSpec, exc: TransferError) -> None:
         """After a final failure, release the producer's entry now (best effort) instead of
         leaving it to the lease: this request will never read it (vLLM fails or recomputes)."""
-        if spec.params is None or exc.cause in (FailureCause.AUTH, FailureCause.LEASE_EXPIRED,
-                                                FailureCause.UNKNOWN_TRANSFER):
+        if spec.params is None or exc.cause.nothing_to_release:
             return
         try:
             p = msgspec.convert(spec.params, TransferParams)
@@ -392,7 +387,7 @@ class TieredConnectorWorker:
                 return self._pull_into_cache(spec, attempt_deadline)
             except TransferError as exc:
                 left = deadline - time.monotonic()
-                if attempt == spec.retries or exc.cause not in TRANSIENT or left <= backoff:
+                if attempt == spec.retries or not exc.cause.transient or left <= backoff:
                     raise
                 logger.warning("KV load for %s failed (%s), retry %d/%d in %.2fs", spec.req_id, exc,
                                attempt + 1, spec.retries, backoff)
@@ -404,7 +399,7 @@ class TieredConnectorWorker:
     def _pull_into_cache(self, spec: RecvSpec, deadline: float) -> dict[str, int]:
         """Load one request's KV into its blocks; returns the bytes each data path carried."""
         if spec.error_cause is not None:
-            raise TransferError(spec.error_cause, spec.error_message.split("] ", 1)[-1])
+            raise TransferError(spec.error_cause, spec.error_message)
         p = msgspec.convert(spec.params, TransferParams)
         layout = self.layout
         if p.fingerprint != layout.fingerprint:  # checked before any byte lands in the KV cache
@@ -529,7 +524,7 @@ class TieredConnectorWorker:
             else:
                 self._failed[req_id] = error
                 self._record("record_failure", error.cause.value)
-                self._record("record_error", req_id, error.cause.value, str(error).split("] ", 1)[-1])
+                self._record("record_error", req_id, error.cause.value, error.detail)
         if error is not None:
             logger.error("KV load for request %s failed: %s", req_id, error)
 

@@ -63,9 +63,8 @@ class StoreClient:
         if isinstance(msg, kind) and (kind is wire.Welcome or getattr(msg, "ok", True)):
             return msg
         if isinstance(msg, (wire.Ack, wire.ReadReply)) and not msg.ok:
-            exc = TransferError(_cause(msg.cause), f"peer {self.address}: {msg.message}")
-            exc.refused = True  # answered in step: the peer said no, the connection is fine
-            raise exc
+            # answered in step: the peer said no, the connection is fine
+            raise TransferError(_cause(msg.cause), f"peer {self.address}: {msg.message}", refused=True)
         raise TransferError(FailureCause.PROTOCOL, f"expected {kind.__name__} from {self.address}, "
                                                    f"got {type(msg).__name__}")
 
@@ -119,7 +118,7 @@ class StoreClient:
             nbytes = pull()
         except TransferError as exc:
             try:
-                wire.send_msg(self.sock, wire.Ack(ok=False, cause=exc.cause.value, message=str(exc).split("] ", 1)[-1]))
+                wire.send_msg(self.sock, wire.Ack(ok=False, cause=exc.cause.value, message=exc.detail))
             except OSError:
                 pass
             raise
@@ -221,7 +220,7 @@ class StoreClient:
             self._send(wire.PushEnd(transfer_id=transfer_id))
         else:
             self._send(wire.PushEnd(transfer_id=transfer_id, ok=False, cause=error.cause.value,
-                                    message=str(error).split("] ", 1)[-1]))
+                                    message=error.detail))
         self._expect(wire.Ack, deadline)
 
     def locate(self, transfer_id: str, deadline: float) -> wire.LocateReply:

@@ -30,7 +30,6 @@ from kvconnectors.transport.client import StoreClient
 
 logger = logging.getLogger(__name__)
 Addr = tuple[str, int]
-_STREAM_BROKEN = frozenset({FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT, FailureCause.PROTOCOL})
 
 
 def parse_target(value: object) -> Addr:
@@ -131,15 +130,14 @@ class PushSender:
         if failed is not None:
             if job.end or job.abort is not None:
                 self._failed.pop(tid, None)  # its last job: forget it
-            if job.abort is None or getattr(failed, "refused", False):
+            if job.abort is None or failed.refused:
                 return  # the landing side already knows (it refused, or it is the one that failed)
         deadline = time.monotonic() + self.timeout_s
         try:
             try:
                 client = self._client(job.target)
-            except TransferError as exc:
-                exc.refused = True  # nothing was sent: the staged copy is intact for a pull
-                raise
+            except TransferError as exc:  # nothing was sent: the staged copy is intact for a pull
+                raise exc.refusal() from None
             if job.abort is not None or (job.end and not job.layers):
                 client.push_end(tid, deadline, job.abort)
                 if job.abort is None:  # an abort is the producer's own decision: nothing to report back
@@ -205,10 +203,10 @@ class PushSender:
         if job.abort is not None:  # best effort: the transfer is already failed here
             logger.info("could not tell %s:%d that transfer %s was abandoned: %s", *job.target,
                         job.transfer_id, exc)
-            if exc.cause in _STREAM_BROKEN:
+            if exc.cause.breaks_stream:
                 self._drop_client(job.target)
             return
-        if exc.cause in _STREAM_BROKEN and not getattr(exc, "refused", False):
+        if exc.cause.breaks_stream and not exc.refused:
             # The stream may be out of step: start afresh. (A refusal answered in step, e.g.
             # store_full, keeps the connection: closing it would fail the other transfers on it.)
             self._drop_client(job.target)

@@ -169,9 +169,8 @@ def send_msg(sock: socket.socket, msg: Message) -> None:
 def send_refusal(sock: socket.socket, exc: TransferError, read: bool = False) -> None:
     """Answer a request with its typed failure (a ReadReply for a Read, else an Ack), best effort:
     a peer that is already gone needs no answer."""
-    text = str(exc).split("] ", 1)[-1]  # the cause travels in its own field
-    reply = (ReadReply(ok=False, cause=exc.cause.value, message=text) if read
-             else Ack(ok=False, cause=exc.cause.value, message=text))
+    reply = (ReadReply(ok=False, cause=exc.cause.value, message=exc.detail) if read
+             else Ack(ok=False, cause=exc.cause.value, message=exc.detail))
     try:
         send_msg(sock, reply)
     except OSError:

@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from integration import proxy as P
+from kvconnectors.errors import CLIENT_ERROR_CAUSE_FIELD, FailureCause
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,12 +33,14 @@ def run(coro: Any, timeout: float = 30.0) -> Any:
 
 
 class FakeVllm:
-    """One fake instance. `mode`: ok | fail500 | fail400 | hang | no_kv | die_midstream.
+    """One fake instance. `mode`: ok | fail500 | kvfail | fail400 | hang | no_kv | die_midstream;
+    `kv_cause` is what a kvfail body carries in its cause field (None: no field, message only).
     `token_delay` spaces streamed events; `hold` (an Event) blocks decode responses until set."""
 
     def __init__(self, name: str):
         self.name = name
         self.mode = "ok"
+        self.kv_cause: object = "checksum_mismatch"
         self.health_ok = True
         self.token_delay = 0.0
         self.hold: asyncio.Event | None = None
@@ -86,9 +89,11 @@ class FakeVllm:
                 return web.json_response({"error": {"message": f"{self.name} exploded", "type": "InternalServerError",
                                                     "code": 500}}, status=500)
             if self.mode == "kvfail":  # what a TieredConnector decode answers when a KV load failed
-                return web.json_response({"error": {"message": "KV transfer failed [checksum_mismatch]: block 3 "
-                                                               "of 12 differs", "type": "InternalServerError",
-                                                    "code": 500}}, status=500)
+                error = {"message": "KV transfer failed [checksum_mismatch]: block 3 of 12 differs",
+                         "type": "InternalServerError", "param": None, "code": 500}
+                if self.kv_cause is not None:
+                    error[CLIENT_ERROR_CAUSE_FIELD] = self.kv_cause
+                return web.json_response({"error": error}, status=500)
             if self.mode == "fail400":
                 return web.json_response({"error": {"message": "max_tokens too large", "type": "BadRequestError",
                                                     "code": 400}}, status=400)
@@ -436,6 +441,35 @@ def test_decode_kv_failure_names_its_cause():
             assert metric(m, "kvproxy_decode_failures_total", reason="kv_checksum_mismatch") == 1
             assert metric(m, "kvproxy_decode_failures_total", reason="http_5xx") == 0
     run(go())
+
+
+@pytest.mark.parametrize("kv_cause", [None, "not_a_cause", 7])
+def test_decode_kv_failure_without_a_known_cause_field_is_a_plain_5xx(kv_cause):
+    """The message alone names the cause, but the proxy reads only the field: no field, or a value
+    this version does not know, is an ordinary upstream 5xx (and no unbounded metric label).
+    Negative control, run once: reading the cause out of the message with a regex again fails this
+    test and the mapping test below."""
+    async def go():
+        async with Harness() as h:
+            h.decode[0].mode, h.decode[0].kv_cause = "kvfail", kv_cause
+            status, _, data = await h.post("/v1/completions", COMPLETION)
+            assert status == 502 and data["error"]["type"] == "upstream_error", data
+            assert "[checksum_mismatch]" in data["error"]["message"]  # the message still passes on
+            m = await h.metrics()
+            assert metric(m, "kvproxy_decode_failures_total", reason="http_5xx") == 1
+            assert metric(m, "kvproxy_decode_failures_total", reason="kv_checksum_mismatch") == 0
+    run(go())
+
+
+@pytest.mark.parametrize("cause", list(FailureCause))
+def test_every_cause_field_maps_to_its_own_reason(cause):
+    body = {"error": {"message": "KV transfer failed [protocol]: whatever the message says", "code": 500,
+                      CLIENT_ERROR_CAUSE_FIELD: cause.value}}
+    assert P.kv_failure_cause(json.dumps(body).encode()) is cause
+    # negative controls: vLLM's own bodies, a cause only in the message, not JSON at all
+    assert P.kv_failure_cause(b'{"error": {"message": "Internal server error", "code": 500}}') is None
+    assert P.kv_failure_cause(b'{"error": {"message": "KV transfer failed [timeout]: x"}}') is None
+    assert P.kv_failure_cause(b'{"error": "flat"}') is None and P.kv_failure_cause(b"<html>") is None
 
 
 def test_decode_hang_times_out_not_hangs():
