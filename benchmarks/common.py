@@ -25,11 +25,23 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+import kvconnectors
 from kvconnectors.cli_types import HelpFormatter, pipe_safe
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO_ROOT / "artifacts" / "bench"
-RESULTS_DIR = REPO_ROOT / "docs" / "results"  # runs the README quotes (see docs/results/README.md)
+
+def source_checkout() -> Path | None:
+    """The source checkout kvconnectors runs from (an editable install or PYTHONPATH), or None when
+    it is installed from a wheel. Found from the package, not this file: installed, this file lives at
+    kvconnectors/benchmarks/, in a checkout at benchmarks/."""
+    root = Path(kvconnectors.__file__).resolve().parents[1]
+    return root if (root / "setup.py").is_file() else None
+
+
+CHECKOUT = source_checkout()
+# A checkout keeps its outputs in the checkout, from any working directory; an installed copy writes
+# below the working directory (never into site-packages).
+DEFAULT_OUT = (CHECKOUT or Path()) / "artifacts" / "bench"
+RESULTS_DIR = (CHECKOUT or Path()) / "docs" / "results"  # runs the README quotes (see docs/results/README.md)
 RESULT_JSON_MAX_BYTES = 50_000
 RAW_SAMPLE_KEYS = frozenset({"runs", "raw"})  # per-repetition samples: kept in artifacts/, not in docs/results
 MAX_LIST_NUMBERS = 16  # a longer list of numbers is a sample, kept as its n / min / median / max
@@ -180,7 +192,7 @@ def description(doc: str | None) -> str:
 
 def module_main(module: str, doc: str | None, add_arguments: Callable[[argparse.ArgumentParser], None],
                 run: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.X`: the benchmark's own flags and help (the same as `kvconnectors bench X`)."""
+    """`python -m kvconnectors.benchmarks.X`: the benchmark's own flags and help (as `kvconnectors bench X`)."""
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description(doc),
                                      formatter_class=HelpFormatter)
     add_arguments(parser)
@@ -248,8 +260,10 @@ def summary_numbers(obj: Any) -> Any:
 def _git_state() -> dict[str, Any]:
     """The commit the run was made from, and whether the tree had local changes (None: not a checkout)."""
     def git(*args: str) -> str | None:
+        if CHECKOUT is None:  # an installed copy: a repo around site-packages is not the code that ran
+            return None
         try:
-            p = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+            p = subprocess.run(["git", *args], cwd=CHECKOUT, capture_output=True, text=True, timeout=10)
         except (OSError, subprocess.SubprocessError):
             return None
         return p.stdout.strip() if p.returncode == 0 else None
@@ -308,11 +322,11 @@ def capture(results_dir: str | os.PathLike, name: str, cmd: Sequence[str], keep:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.common capture NAME [--keep REGEX] [--results-dir DIR] -- CMD ...`"""
+    """`python -m kvconnectors.benchmarks.common capture NAME [--keep REGEX] [--results-dir DIR] -- CMD ...`"""
     argv = list(sys.argv[1:] if argv is None else argv)
     # split at the first "--" by hand: argparse's REMAINDER would swallow the options after NAME
     ours, cmd = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.common", description=capture.__doc__,
+    parser = argparse.ArgumentParser(prog="python -m kvconnectors.benchmarks.common", description=capture.__doc__,
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="action", required=True)
     p = sub.add_parser("capture", help="run a command (after --) and save its output under --results-dir")

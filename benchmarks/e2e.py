@@ -35,8 +35,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from benchmarks.common import (DEFAULT_OUT, add_results_argument, module_main, ratio, save_results, setup_env,
-                               table, write_json)
+from kvconnectors.benchmarks.common import (DEFAULT_OUT, add_results_argument, module_main, ratio, save_results,
+                                            setup_env, table, write_json)
 from kvconnectors.testing.compare import first_mismatch
 
 CONFIGS = ("colocated", "chunked", "tiered", "tiered-push", "tiered-push-bulk", "nixl")
@@ -160,7 +160,7 @@ def _metrics(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_config(name: str, model: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    from integration.cluster import PDCluster
+    from kvconnectors.integration.cluster import PDCluster
     from kvconnectors.serving import VllmServer
 
     base = f"--max-model-len 4096 --max-num-batched-tokens 4096 --max-num-seqs {args.users + args.long_prompts + 1}"

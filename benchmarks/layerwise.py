@@ -76,7 +76,7 @@ the prefill alone, then each link (order rotated per repetition) in bulk and lay
 alternating), so drift on a shared box hits all alike; each link's sender first pushes an untimed
 one-block transfer (connection set-up).
 
-Usage:  python -m benchmarks.layerwise                       (8B, 2,000 tokens, all links)
+Usage:  python -m kvconnectors.benchmarks.layerwise                       (8B, 2,000 tokens, all links)
         kvconnectors bench layerwise --preset 70b --links ib200,25gbe --reps 2
         kvconnectors bench layerwise --links nvlink,10gbe=10 --group 2 --no-short
 """
@@ -95,8 +95,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from benchmarks.common import (DEFAULT_OUT, add_results_argument, host_info, module_main, progress, publish,
-                               setup_env, table)
+from kvconnectors.benchmarks.common import (DEFAULT_OUT, add_results_argument, host_info, module_main, progress,
+                                            publish, setup_env, table)
 
 setup_env()  # harmless here (no NIXL on this path), but keeps UCX sane if a store server ever loads it
 
@@ -215,7 +215,9 @@ def default_min_tokens() -> int | None:
     import ast
 
     try:
-        src = (Path(__file__).resolve().parents[1] / "kvconnectors" / "tiered" / "config.py").read_text()
+        import kvconnectors  # cheap, unlike kvconnectors.tiered; its folder holds tiered/ installed or not
+
+        src = (Path(kvconnectors.__file__).resolve().parent / "tiered" / "config.py").read_text()
         for node in ast.walk(ast.parse(src)):
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                     and node.target.id == "layerwise_min_tokens" and isinstance(node.value, ast.Constant)):
@@ -956,7 +958,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return module_main("benchmarks.layerwise", __doc__, add_arguments, run, argv)
+    return module_main("kvconnectors.benchmarks.layerwise", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

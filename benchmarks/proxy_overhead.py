@@ -1,8 +1,8 @@
 """How much latency the P/D proxy adds: the same requests through the proxy and done "by hand"
 (the client runs both legs itself, exactly as the proxy would), interleaved in one run.
 
-    python -m benchmarks.proxy_overhead --requests 200
-    python -m benchmarks.proxy_overhead --requests 2000 --fake-upstreams   # no engines
+    python -m kvconnectors.benchmarks.proxy_overhead --requests 200
+    python -m kvconnectors.benchmarks.proxy_overhead --requests 2000 --fake-upstreams   # no engines
 
 Overhead per request = latency via proxy - latency by hand, reported as p50/p99 of each and the
 difference of medians. Both paths run the prefill leg and the decode leg against the same
@@ -35,7 +35,7 @@ import numpy as np
 from aiohttp import web
 from tqdm import tqdm
 
-from benchmarks.common import add_results_argument, module_main, save_results
+from kvconnectors.benchmarks.common import add_results_argument, module_main, save_results
 
 NIXL_STYLE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -241,8 +241,8 @@ class FakeUpstreams:
 
 def run_fake(n: int, out: Path, stream: bool = False, progress: bool = True, prompt_tokens: int = 64) -> dict:
     """The comparison against fake upstreams, the proxy in its own process as in production."""
-    from integration import launcher
-    from integration.cluster import ProxyProcess
+    from kvconnectors.integration import launcher
+    from kvconnectors.integration.cluster import ProxyProcess
     from kvconnectors.serving import free_port
 
     log_dir = out / "proxy_overhead_logs"
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_fake(args.requests, args.out, stream, progress=sys.stderr.isatty(), prompt_tokens=tokens)
         _report(result, args, f"proxy_overhead_fake{suffix}")
         return 0
-    from integration.cluster import PDCluster
+    from kvconnectors.integration.cluster import PDCluster
     from kvconnectors.testing.tinymodel import ensure_tiny_model
 
     model = str(ensure_tiny_model(args.model_variant))

@@ -35,7 +35,7 @@ does an entry's staging memcpy between waves, off the clock, as the spill phase 
 rotated every round, so drift on a shared box hits all alike. A warm-up round comes first (untimed):
 the first writes land in fallocated-but-unwritten extents, which costs extent conversions.
 
-Usage:  python -m benchmarks.tiers --bytes 256MiB --rounds 3
+Usage:  python -m kvconnectors.benchmarks.tiers --bytes 256MiB --rounds 3
         kvconnectors bench tiers --dir /mnt/nvme0/tmp
 """
 
@@ -54,9 +54,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import (DEFAULT_OUT, add_results_argument, bar_chart, host_info, module_main, progress,
-                               publish, ratio, table)
-from benchmarks.transfer import PRESETS
+from kvconnectors.benchmarks.common import (DEFAULT_OUT, add_results_argument, bar_chart, host_info, module_main,
+                                            progress, publish, ratio, table)
+from kvconnectors.benchmarks.transfer import PRESETS
 
 TARGET = 0.8
 
@@ -606,7 +606,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return module_main("benchmarks.tiers", __doc__, add_arguments, run, argv)
+    return module_main("kvconnectors.benchmarks.tiers", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ Timed: for ours, everything the worker does for one pull (build the block views,
 Read, data, checksum verification unless --no-checksum, Release); for raw NIXL make_prepped_xfer +
 transfer + polling to DONE + handle release; for Mooncake the batch_transfer_sync_read call.
 
-Usage:  python -m benchmarks.transfer --preset 8b --tokens 2048 --block-tokens 16 --iters 5
+Usage:  python -m kvconnectors.benchmarks.transfer --preset 8b --tokens 2048 --block-tokens 16 --iters 5
         kvconnectors bench transfer --preset tiny --tokens 256 --paths memcpy,socket,tcp,shm
 """
 
@@ -52,8 +52,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from benchmarks.common import (DEFAULT_OUT, add_results_argument, bar_chart, host_info, module_main, progress,
-                               publish, ratio, setup_env, summarize, table)
+from kvconnectors.benchmarks.common import (DEFAULT_OUT, add_results_argument, bar_chart, host_info, module_main,
+                                            progress, publish, ratio, setup_env, summarize, table)
 
 setup_env()  # before anything can load NIXL / UCX / Mooncake; spawned children inherit it
 
@@ -822,7 +822,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return module_main("benchmarks.transfer", __doc__, add_arguments, run, argv)
+    return module_main("kvconnectors.benchmarks.transfer", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from integration import launcher
-from integration import proxy as proxy_mod
+from kvconnectors.integration import launcher
+from kvconnectors.integration import proxy as proxy_mod
 from kvconnectors.serving import VllmServer, free_port, stop_all
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class ProxyThread:
 
 
 class ProxyProcess:
-    """The proxy as `python -m integration.proxy` in its own process group."""
+    """The proxy as `python -m kvconnectors.integration.proxy` in its own process group."""
 
     def __init__(self, argv: Sequence[str], proxy_ns: argparse.Namespace, log_dir: Path):
         self.argv, self.ns, self.log_path = list(argv), proxy_ns, log_dir / "proxy.log"
@@ -159,7 +159,7 @@ class ProxyProcess:
         import urllib.request
 
         with open(self.log_path, "wb") as log_file:
-            self.proc = subprocess.Popen([sys.executable, "-m", "integration.proxy", *self.argv],
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvconnectors.integration.proxy", *self.argv],
                                          cwd=launcher.PACKAGE_ROOT, stdout=log_file, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         end = time.monotonic() + timeout

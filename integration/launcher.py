@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import kvconnectors
 from kvconnectors.cli_types import PortInUseError, check_port_free, port_or_zero, positive_int
 from kvconnectors.serving import ServerStartError, VllmServer, free_port, stop_all
 
@@ -40,8 +41,9 @@ CONNECTORS = ("TieredConnector", "NixlConnector")
 TRANSPORTS = ("tcp", "shm", "nixl")
 TIERED_MODULE = "kvconnectors.tiered"
 # The directory that holds the `kvconnectors` package: servers must import it to load
-# TieredConnector through kv_connector_module_path, installed or not.
-PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
+# TieredConnector through kv_connector_module_path, installed or not. Taken from the package, not
+# from this file: installed, this file lives at kvconnectors/integration/, in a checkout at integration/.
+PACKAGE_ROOT = str(Path(kvconnectors.__file__).resolve().parents[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,7 +182,7 @@ class _RaisingParser(argparse.ArgumentParser):
 
 def parse_proxy_argv(argv: Sequence[str]) -> argparse.Namespace:
     """Parse (and so validate) the proxy's arguments before any server starts."""
-    from integration import proxy as proxy_mod
+    from kvconnectors.integration import proxy as proxy_mod
 
     parser = _RaisingParser(prog="proxy")
     proxy_mod.add_arguments(parser)
@@ -202,7 +204,7 @@ def describe(plans: Sequence[InstancePlan], args: argparse.Namespace, log_dir: P
                      + (f", kv store {p.kv_addr}" if p.kv_addr else "") + ")")
         lines.append((env + " " if env else "") + shlex.join(srv.command()))
     lines.append("# proxy")
-    lines.append(shlex.join([sys.executable, "-m", "integration.proxy", *proxy_argv(plans, args)]))
+    lines.append(shlex.join([sys.executable, "-m", "kvconnectors.integration.proxy", *proxy_argv(plans, args)]))
     return "\n".join(lines)
 
 
@@ -236,7 +238,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proxy-port", type=port_or_zero, default=8000,
                         help="port the proxy listens on; 0 picks a free one (the log says which)")
     parser.add_argument("--proxy", choices=("inprocess", "subprocess", "none"), default="inprocess",
-                        help="run the proxy in this process, as `python -m integration.proxy`, or not at all")
+                        help="run the proxy in this process, as `python -m kvconnectors.integration.proxy`, "
+                             "or not at all")
     parser.add_argument("--proxy-args", default="", metavar="ARGS",
                         help="extra proxy flags, one shell-quoted string, e.g. '--prefill-timeout 60'")
     parser.add_argument("--no-pin", action="store_true",
@@ -291,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
             log.info("%s healthy", s.name)
         if args.proxy == "subprocess":
             proxy_proc = subprocess.Popen(
-                [sys.executable, "-m", "integration.proxy", *proxy_argv(plans, args)],
+                [sys.executable, "-m", "kvconnectors.integration.proxy", *proxy_argv(plans, args)],
                 cwd=PACKAGE_ROOT, start_new_session=True)
         # asyncio's own handlers replace on_term inside _supervise; until then on_term still covers
         return asyncio.run(_supervise(servers, proxy_ns if args.proxy == "inprocess" else None, proxy_proc))
@@ -324,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
 async def _supervise(servers: Sequence[VllmServer], proxy_ns: argparse.Namespace | None,
                      proxy_proc: subprocess.Popen[bytes] | None) -> int:
     """Run the in-process proxy (if any) until a signal or until any instance exits."""
-    from integration import proxy as proxy_mod
+    from kvconnectors.integration import proxy as proxy_mod
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -16,7 +16,7 @@ upstream requests (vLLM then aborts them), and a health loop takes dead instance
 recovered ones back. Prometheus metrics at /metrics.
 
 Run: `kvconnectors proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200` or
-`python -m integration.proxy ...`.
+`python -m kvconnectors.integration.proxy ...`.
 """
 
 from __future__ import annotations
@@ -864,8 +864,8 @@ def _run_loop(coro: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m integration.proxy", description=__doc__.splitlines()[0],
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m kvconnectors.integration.proxy",
+                                     description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     add_arguments(parser)
     return pipe_safe(lambda: run(parser.parse_args(argv)))
 

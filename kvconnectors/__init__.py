@@ -1,6 +1,6 @@
 """kvconnectors: KV-cache connectors, a conformance suite and tooling for vLLM prefill/decode
 disaggregation."""
 
-__version__ = "0.1.0"
+from kvconnectors._version import SUPPORTED_VLLM, __version__
 
-SUPPORTED_VLLM = (">=0.32", "<0.34")
+__all__ = ["SUPPORTED_VLLM", "__version__"]

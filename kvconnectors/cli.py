@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 
+from kvconnectors import __version__
 from kvconnectors.cli_types import HelpFormatter, pipe_safe
 
 DESCRIPTION = """\
@@ -32,16 +33,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvconnectors.planner_cli", "Should I split prefill and decode, and how many GPUs per pool?"),
     "demo": ("kvconnectors.demo", "Run a real prefill->decode handoff on the tiny model and compare with colocated."),
     "make-model": ("kvconnectors.testing.tinymodel", "Generate the deterministic tiny test model."),
-    "serve-pd": ("integration.launcher", "Launch prefill and decode `vllm serve` pools plus the P/D proxy."),
-    "proxy": ("integration.proxy", "Run the P/D proxy in front of running prefill/decode instances."),
+    "serve-pd": ("kvconnectors.integration.launcher",
+                 "Launch prefill and decode `vllm serve` pools plus the P/D proxy."),
+    "proxy": ("kvconnectors.integration.proxy", "Run the P/D proxy in front of running prefill/decode instances."),
     "conformance": ("kvconnectors.conformance.cli", "Run the connector conformance suite and print a matrix."),
-    "bench": ("benchmarks.cli", "Run a benchmark (transfer, tiers, layerwise, e2e, proxy)."),
+    "bench": ("kvconnectors.benchmarks.cli", "Run a benchmark (transfer, tiers, layerwise, e2e, proxy)."),
 }
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvconnectors", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)

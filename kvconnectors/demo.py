@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     with llm_engine(model) as llm:
         reference = generate_ids(llm, prompts, args.max_tokens)
 
-    from integration.cluster import PDCluster
-    from integration.workload import percentiles, run_workload
+    from kvconnectors.integration.cluster import PDCluster
+    from kvconnectors.integration.workload import percentiles, run_workload
     from kvconnectors.testing.compare import first_mismatch
 
     print(f"[demo] starting 1 prefill + 1 decode vllm serve with TieredConnector ({args.transport}) "
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(text)
     if args.results_dir is not None:
-        from benchmarks.common import save_results
+        from kvconnectors.benchmarks.common import save_results
 
         save_results(args.results_dir, "demo", text, summary)
     return 0 if not wrong and not errors and summary["kv_bytes_moved"] > 0 else 1

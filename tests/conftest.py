@@ -15,6 +15,7 @@ os.environ.setdefault("KVCONNECTORS_CACHE", str(Path(__file__).resolve().parents
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "engine: builds real vLLM engines or servers (slow, serial)")
+    config.addinivalue_line("markers", "slow: no engine, but tens of seconds (e.g. builds and installs the wheel)")
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from kvconnectors._version import SUPPORTED_VLLM
+
 SUITE_VERSION = "2026.11"
-SUPPORTED_VLLM = ">=0.32,<0.34"
 
 _EXPORTS = {
     "Capabilities": "kvconnectors.conformance.capabilities",

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from integration.cluster import PDCluster
+from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import post_json
 from kvconnectors.testing.compare import assert_same_tokens, first_mismatch
 from kvconnectors.testing.engines import generate_ids, llm_engine

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from integration.cluster import PDCluster
+from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import VllmServer, complete, stop_all
 from kvconnectors.testing import cpu
 

@@ -12,8 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from integration.cluster import PDCluster, ProxyThread
-from integration.workload import run_workload
+from kvconnectors.integration.cluster import PDCluster, ProxyThread
+from kvconnectors.integration.workload import run_workload
 from kvconnectors.serving import VllmServer, complete, free_port, post_json, stop_all
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.engines import generate_ids, llm_engine
@@ -152,7 +152,7 @@ def test_prefill_killed_traffic_moves_to_the_other(tiny_model, prompts, colocate
     """Two kv_both instances, each in both pools (two engines on two cores)."""
     cfg = {"kv_connector": "TieredConnector", "kv_connector_module_path": "kvconnectors.tiered",
            "kv_role": "kv_both", "kv_connector_extra_config": {"transport": "tcp"}}
-    from integration.launcher import PACKAGE_ROOT, parse_proxy_argv
+    from kvconnectors.integration.launcher import PACKAGE_ROOT, parse_proxy_argv
 
     servers = [VllmServer(tiny_model, name=f"both-{i}", core=i, pythonpath=[PACKAGE_ROOT],
                           extra_args=["--kv-transfer-config", json.dumps(cfg)], log_path=tmp_path / f"{i}.log")

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from integration.cluster import PDCluster
+from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import complete
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from integration.cluster import PDCluster
-from integration.workload import RequestResult, run_workload
+from kvconnectors.integration.cluster import PDCluster
+from kvconnectors.integration.workload import RequestResult, run_workload
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.leaks import assert_pd_idle, tree_rss
 from kvconnectors.testing.prompts import token_prompts

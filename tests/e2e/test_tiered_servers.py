@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from integration.cluster import PDCluster
+from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import complete
 from kvconnectors.transport.client import store_status
 from kvconnectors.testing.compare import assert_same_tokens

@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from benchmarks import tiers, transfer  # noqa: E402
+from kvconnectors.benchmarks import tiers, transfer  # noqa: E402
 from kvconnectors.transport.nixl import nixl_import_error  # noqa: E402
 
 HAVE_NIXL = nixl_import_error() is None
@@ -144,7 +144,7 @@ def test_cli_runs_transfer(tmp_path, capsys):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stream", [False, True])
 def test_proxy_overhead_fake_upstreams(tmp_path, stream):
-    from benchmarks import proxy_overhead
+    from kvconnectors.benchmarks import proxy_overhead
 
     result = proxy_overhead.run_fake(12, tmp_path, stream=stream, progress=False)
     assert result["upstreams"] == "fake" and result["requests"] == 12 and result["stream"] is stream
@@ -164,7 +164,7 @@ def test_proxy_overhead_fakes_refuse_a_request_that_skipped_the_proxy():
 
     import aiohttp
 
-    from benchmarks import proxy_overhead
+    from kvconnectors.benchmarks import proxy_overhead
 
     async def by_hand_only(fakes: proxy_overhead.FakeUpstreams) -> float:
         async with aiohttp.ClientSession() as s:
@@ -179,7 +179,7 @@ def test_proxy_overhead_fakes_refuse_a_request_that_skipped_the_proxy():
 
 
 def test_proxy_overhead_summary_and_interval():
-    from benchmarks.proxy_overhead import summarize
+    from kvconnectors.benchmarks.proxy_overhead import summarize
 
     result = summarize([0.010] * 5, [0.0115] * 5)
     assert result["added_ms"]["p50"] == pytest.approx(1.5)
@@ -202,7 +202,7 @@ def test_proxy_overhead_cli_help(capsys):
 
 @pytest.mark.timeout(60)
 def test_layerwise_smoke(tmp_path):
-    from benchmarks import layerwise
+    from kvconnectors.benchmarks import layerwise
 
     result = layerwise.run_layerwise(preset="8b", layers=4, tokens=64, block_tokens=16, group=2,
                                      links="ib200,25gbe", reps=1, time_scale=20, short_tokens=[16, 64], short_reps=1,
@@ -257,7 +257,7 @@ def test_layerwise_smoke(tmp_path):
 
 
 def test_layerwise_arguments():
-    from benchmarks import layerwise
+    from kvconnectors.benchmarks import layerwise
 
     assert [lk.name for lk in layerwise.parse_links("all")] == ["nvlink", "ib200", "100gbe", "25gbe"]
     assert layerwise.parse_links("none") == []
@@ -296,7 +296,7 @@ def test_layerwise_cli_help(capsys):
 def _e2e_args(*argv: str):
     import argparse
 
-    from benchmarks import e2e
+    from kvconnectors.benchmarks import e2e
 
     parser = argparse.ArgumentParser()
     e2e.add_arguments(parser)
@@ -338,7 +338,7 @@ def _failed(checks: list[dict]) -> list[tuple[str, str]]:
 
 def test_e2e_clean_run_passes_every_check():
     """The positive control for the negative ones below: the same synthetic runs, unbroken, pass."""
-    from benchmarks import e2e
+    from kvconnectors.benchmarks import e2e
 
     results, checks = e2e.evaluate(_e2e_raw(), _e2e_args())
     assert _failed(checks) == [] and e2e.exit_code(checks) == 0
@@ -358,7 +358,7 @@ def test_e2e_clean_run_passes_every_check():
 def test_e2e_one_mismatching_token_fails_the_run():
     """Negative control. Seen to fail: with compare_outputs returning identical=n (no comparison),
     this test failed on the verdict and the exit code."""
-    from benchmarks import e2e
+    from kvconnectors.benchmarks import e2e
 
     raw = _e2e_raw()
     raw["tiered"]["longs"][1]["token_ids"][5] += 1  # one token of one request, decoded from transferred KV
@@ -377,7 +377,7 @@ def test_e2e_one_failed_request_fails_the_run_and_is_not_a_match():
     counted as identical either). Seen to fail: with the errors check removed from verdicts, only the
     outputs check failed; with compare_outputs comparing failed requests too, the failed request (its
     token ids intact) counted as identical."""
-    from benchmarks import e2e
+    from kvconnectors.benchmarks import e2e
 
     raw = _e2e_raw()
     raw["nixl"]["users"][1]["error"] = "HTTP 500: boom"
@@ -404,7 +404,7 @@ def test_e2e_missed_target_fails_the_run(broken, key):
     could not be measured: the streams end at 0.5 s, before the long prompts arrive) fails. Seen to
     fail: with the targets raised to 10x, the first two cases passed; with `value is not None and`
     dropped (None compared as a pass), the third raised instead of failing the verdict."""
-    from benchmarks import e2e
+    from kvconnectors.benchmarks import e2e
 
     short = "user_tokens" in broken  # then colocated streams as few tokens, so the outputs still agree
     check = e2e.TARGET_LABELS[key]
@@ -422,7 +422,7 @@ def test_e2e_missed_target_fails_the_run(broken, key):
 
 
 def test_e2e_incomplete_stream_is_an_error():
-    from benchmarks.e2e import incomplete
+    from kvconnectors.benchmarks.e2e import incomplete
 
     assert incomplete([1, 2, 3], "length", 3) is None
     assert "finish_reason None" in incomplete([1, 2], None, 3)  # the stream was cut
@@ -441,7 +441,7 @@ def test_e2e_stream_reports_every_kind_of_failed_request():
     import aiohttp
     from aiohttp import web
 
-    from benchmarks.e2e import _stream
+    from kvconnectors.benchmarks.e2e import _stream
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -490,7 +490,7 @@ def test_e2e_cli_exit_code_follows_the_verdicts(tmp_path, monkeypatch, capsys):
     added as the reference, the table has the errors and mismatches columns, the JSON (and the saved
     result the README quotes) has the verdicts, and the exit code is 1 on a mismatch. Seen to fail:
     with run() returning 0 unconditionally (as it did before), the second main() returned 0."""
-    from benchmarks import e2e
+    from kvconnectors.benchmarks import e2e
     from kvconnectors.cli import main
     from kvconnectors.testing import tinymodel
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from integration import launcher as L
-from integration import proxy as P
+from kvconnectors.integration import launcher as L
+from kvconnectors.integration import proxy as P
 from kvconnectors import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,10 +219,10 @@ def _help_of_every_command() -> Iterator[tuple[str, str]]:
     for name, parser in _parsers(cli.build_parser(), "kvconnectors"):
         yield name, parser.format_help()
     # the `python -m ...` entry points build their own parsers
-    from benchmarks import cli as bench_cli
-    from benchmarks import transfer
-    for name, main in (("python -m integration.proxy", P.main), ("python -m benchmarks.cli", bench_cli.main),
-                       ("python -m benchmarks.transfer (module_main)", transfer.main)):
+    from kvconnectors.benchmarks import cli as bench_cli
+    from kvconnectors.benchmarks import transfer
+    for name, main in (("python -m kvconnectors.integration.proxy", P.main), ("python -m kvconnectors.benchmarks.cli", bench_cli.main),
+                       ("python -m kvconnectors.benchmarks.transfer (module_main)", transfer.main)):
         yield name, _help_printed_by(main)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from integration import launcher as L
+from kvconnectors.integration import launcher as L
 from kvconnectors.serving import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,7 +142,7 @@ def test_dry_run_prints_plan_and_starts_nothing(capsys):
     out = capsys.readouterr().out
     assert out.count("vllm.entrypoints.openai.api_server") == 3
     assert out.count("VLLM_CPU_OMP_THREADS_BIND=") == 3
-    assert "-m integration.proxy" in out and out.count("--decode") == 2
+    assert "-m kvconnectors.integration.proxy" in out and out.count("--decode") == 2
 
 
 def test_help_explains_every_flag():
@@ -304,7 +304,7 @@ def test_proxy_as_subprocess(fake_env, tmp_path):
     proc, port = _start_launcher(fake_env, tmp_path, "--quiet", "--proxy", "subprocess")
     try:
         children = _descendants(proc)
-        assert any("integration.proxy" in " ".join(c.cmdline()) for c in children)
+        assert any("kvconnectors.integration.proxy" in " ".join(c.cmdline()) for c in children)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=40)
         assert proc.returncode == 0, out.decode()

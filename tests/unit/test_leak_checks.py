@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from integration import launcher
-from integration.cluster import launcher_args
+from kvconnectors.integration import launcher
+from kvconnectors.integration.cluster import launcher_args
 from kvconnectors.serving import free_port
 from kvconnectors.store import StoreConfig, TieredStore
 from kvconnectors.testing.leaks import IDLE_GAUGES, assert_pd_idle, pd_leaks

@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from integration import proxy as P
 from kvconnectors.errors import CLIENT_ERROR_CAUSE_FIELD, FailureCause
+from kvconnectors.integration import proxy as P
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -677,7 +677,7 @@ def test_cli_push_without_kv_fails_at_start(capsys):
 
 
 def test_module_entry_points_show_help():
-    for argv in (["-m", "integration.proxy", "--help"], ["-m", "kvconnectors.cli", "proxy", "--help"]):
+    for argv in (["-m", "kvconnectors.integration.proxy", "--help"], ["-m", "kvconnectors.cli", "proxy", "--help"]):
         out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert "--decode-idle-timeout" in out.stdout and "kv=HOST:PORT" in out.stdout
