@@ -8,7 +8,9 @@ The cause does reach the API-server process through vLLM's own stats channel: th
 `errors[request id] = [cause, message]` in the interval's `TieredStats`, vLLM ships it to the
 API server, and `TieredPromMetrics.observe` hands it to `remember()` here. The worker reports the
 failure to the scheduler one step after recording it, so the stats always arrive before the
-error output. `install()` wraps `_raise_if_error` once per process so the error names the cause:
+error output. `install()` wraps `_raise_if_error` so the error names the cause; the plugin entry
+point (registry.py `setup_process`) installs it in every vLLM process, once (a second install sees
+its mark on the hook and leaves it):
 
     {"error": {"message": "KV transfer failed [checksum_mismatch]: transfer '...': block 3 of 12 ...",
                "type": "InternalServerError", "code": 500}}
@@ -20,21 +22,39 @@ cause is still in the decode instance's log and in `kvconnectors:transfer_failur
 
 from __future__ import annotations
 
-import logging
+import importlib
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from kvconnectors.errors import client_error_message
+from kvconnectors.logs import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MAX_REMEMBERED = 4096       # failures kept while their error output is on its way
 TTL_S = 300.0
 
 _lock = threading.Lock()
 _failures: OrderedDict[str, tuple[str, str, float]] = OrderedDict()  # engine request id -> (cause, msg, t)
-_installed = False
+_install_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Hook:
+    """Where vLLM has the method to wrap, and the exception it raises for a failed request."""
+    module: str
+    owner: str
+    method: str
+    error_module: str
+    error: str
+
+
+# vLLM 0.32-0.33 (vllm/entrypoints/generate/base/serving.py)
+HOOK = Hook("vllm.entrypoints.generate.base.serving", "GenerateBaseServing", "_raise_if_error",
+            "vllm.exceptions", "GenerationError")
+_MARK = "_kvconnectors_client_errors"  # set on the wrapper: the hook says itself whether it is patched
 
 
 def remember(errors: dict[str, list[str]] | None) -> None:
@@ -61,33 +81,33 @@ def take(api_request_id: str) -> tuple[str, str] | None:
 
 
 def install() -> bool:
-    """Wrap vLLM's `_raise_if_error` (once per process). False when the hook is not where this
-    vLLM version was known to have it; then nothing changes."""
-    global _installed
-    with _lock:
-        if _installed:
-            return True
+    """Wrap vLLM's `_raise_if_error` (idempotent). False when the hook is not where this vLLM version
+    was known to have it (a later vLLM moved it): a warning, and nothing changes."""
+    with _install_lock:
         try:
-            from vllm.entrypoints.generate.base.serving import GenerateBaseServing
-            from vllm.exceptions import GenerationError
-        except ImportError as exc:
-            logger.warning("KV failure causes will not reach HTTP clients (vLLM hook not found: %s)", exc)
+            owner = getattr(importlib.import_module(HOOK.module), HOOK.owner)
+            error_cls = getattr(importlib.import_module(HOOK.error_module), HOOK.error)
+        except Exception as exc:  # ImportError, AttributeError, or the module failing as it loads
+            logger.warning("KV failure causes will not reach HTTP clients (vLLM hook %s.%s not found: %s)",
+                           HOOK.module, HOOK.owner, exc)
             return False
-        original = getattr(GenerateBaseServing, "_raise_if_error", None)
+        original = getattr(owner, HOOK.method, None)
         if original is None:
-            logger.warning("KV failure causes will not reach HTTP clients (_raise_if_error not found)")
+            logger.warning("KV failure causes will not reach HTTP clients (%s.%s.%s not found)",
+                           HOOK.module, HOOK.owner, HOOK.method)
             return False
+        if getattr(original, _MARK, False):
+            return True  # the mark is on the hook, not here: a re-imported module does not wrap twice
 
         def _raise_if_error(self, finish_reason, request_id):  # noqa: ANN001 - vLLM's signature
             if finish_reason == "error":
                 failure = take(request_id)
                 if failure is not None:
                     logger.error("Request %s failed: its KV load failed [%s]: %s", request_id, *failure)
-                    raise GenerationError(client_error_message(*failure))
+                    raise error_cls(client_error_message(*failure))
             return original(self, finish_reason, request_id)
 
         _raise_if_error.__wrapped__ = original  # type: ignore[attr-defined]
-        GenerateBaseServing._raise_if_error = _raise_if_error
-        _installed = True
+        setattr(_raise_if_error, _MARK, True)
+        setattr(owner, HOOK.method, _raise_if_error)
         return True
-
