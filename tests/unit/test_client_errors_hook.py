@@ -71,8 +71,8 @@ def test_already_patched_is_not_wrapped_twice(hook) -> None:
 def test_absent_a_warning_and_nothing_changes(hook, monkeypatch, caplog, missing) -> None:
     """A vLLM that moved the hook: install() says so and returns False; vLLM's own method stays.
 
-    Seen to fail: with the `original is None` check removed, install() raised AttributeError on
-    the missing method (a plugin that raises stops vLLM's start-up)."""
+    Seen to fail: with the `original is None` check removed, install() returned True (it wrapped
+    a method that is not there)."""
     if missing == "module":
         monkeypatch.delitem(sys.modules, HOOK_MODULE)  # and nothing of that name can be imported
     else:

@@ -60,8 +60,9 @@ def test_interval_data_has_every_key_the_metrics_are_fed_from() -> None:
 def test_what_the_stats_record_reaches_each_declared_interval_metric(registry) -> None:
     """One of each recording, through observe(), gives every interval and store counter a sample.
 
-    Seen to fail: with observe() reading data["bytes_pushed"] under the key "pushed_bytes" (a key
-    that the table and stats.py no longer share), pushed_bytes had no sample."""
+    Seen to fail: with observe() not reading the store deltas, kvconnectors:store_spills had no
+    sample; with the table's key for pushed_bytes misspelled, record_push raised KeyError (stats.py
+    builds its data from the table's keys)."""
     m, reg = registry
     stats = TieredStats()
     stats.record_transfer({"shm": 10, "tcp": 1}, 0.01)
