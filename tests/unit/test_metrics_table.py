@@ -122,3 +122,15 @@ def test_the_readme_lists_every_declared_name() -> None:
     text = README.read_text()
     missing = [m.name for m in metrics.ALL if f"`{m.name}`" not in text]
     assert not missing, f"tiered/README.md (Metrics) does not list {missing}"
+
+
+def test_a_malformed_label_key_is_logged_and_the_rest_still_counted(registry, caplog) -> None:
+    """observe() runs in vLLM's stats loop of the API server: a bad key must not stop it.
+
+    Seen to fail: without the try/except in `_count_labelled`, observe() raised ValueError."""
+    m, reg = registry
+    with caplog.at_level("WARNING", logger="kvconnectors.tiered.prom"):
+        m.observe({"path_fallbacks": {"shm": 1}, "pushes": 2})
+    assert any("kvconnectors:path_fallbacks not counted" in r.getMessage() and "'shm'" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert reg.get_sample_value("kvconnectors:pushes_total", LABELS) == 2.0
