@@ -1,24 +1,34 @@
-"""Registration of our connectors with vLLM's connector factory.
+"""Registration of our connectors with vLLM, and what every vLLM process running them needs.
 
 `register_with_vllm` is the `vllm.general_plugins` entry point, which vLLM calls in every
 process (API server, engine core, workers); after `pip install kvconnectors` the connector
-is usable by name alone: `{"kv_connector": "TieredConnector", ...}`.
+is usable by name alone: `{"kv_connector": "TieredConnector", ...}`. It also runs
+`setup_process`, which the connector module runs too when it is loaded by
+`kv_connector_module_path` from a checkout that is not installed (no entry point then).
 """
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger(__name__)
+from kvconnectors import logs
+from kvconnectors.tiered import client_errors
 
 CONNECTORS: dict[str, tuple[str, str]] = {
     "TieredConnector": ("kvconnectors.tiered.connector", "TieredConnector"),
 }
 
 
+def setup_process() -> None:
+    """Once per vLLM process (idempotent; never raises, vLLM does not guard its plugins): our log
+    records go through vLLM's logging (logs.py), and a failed KV load's cause reaches the HTTP
+    client's error (tiered/client_errors.py; the patch only acts in the API server)."""
+    logs.use_vllm_logging()
+    client_errors.install()
+
+
 def register_with_vllm() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
+    setup_process()
     for name, (module, cls) in CONNECTORS.items():
         if name in KVConnectorFactory._registry:  # plugins load once per process, but be safe
             continue

@@ -4,13 +4,13 @@ does not depend on it: every store call expires lazily first, and create() alway
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Callable
 
+from kvconnectors.logs import get_logger
 from kvconnectors.store.errors import StoreClosedError
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class Reaper:

@@ -8,8 +8,9 @@ The cause does reach the API-server process through vLLM's own stats channel: th
 `errors[request id] = [cause, detail]` in the interval's `TieredStats`, vLLM ships it to the
 API server, and `TieredPromMetrics.observe` hands it to `remember()` here. The worker reports the
 failure to the scheduler one step after recording it, so the stats always arrive before the
-error output. `install()` wraps `_raise_if_error` once per process so the error names the cause,
-in the message for people and in a field of its own for code:
+error output. `install()` wraps `_raise_if_error` so the error names the cause, in the message for
+people and in a field of its own for code; the plugin entry point (registry.py `setup_process`)
+installs it in every vLLM process, once (a second install sees its mark on the hook and leaves it):
 
     {"error": {"message": "KV transfer failed [checksum_mismatch]: transfer '...': block 3 of 12 ...",
                "type": "InternalServerError", "param": null, "code": 500,
@@ -32,23 +33,41 @@ and the cause is still in the decode instance's log and in `kvconnectors:transfe
 
 from __future__ import annotations
 
+import importlib
 import json
-import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from kvconnectors.errors import CLIENT_ERROR_CAUSE_FIELD, client_error_message
+from kvconnectors.logs import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MAX_REMEMBERED = 4096       # failures kept while their error output is on its way
 TTL_S = 300.0
 
 _lock = threading.Lock()
 _failures: OrderedDict[str, tuple[str, str, float]] = OrderedDict()  # engine request id -> (cause, detail, t)
-_installed = False
+_install_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Hook:
+    """Where vLLM has the method to wrap, and the exception it raises for a failed request."""
+    module: str
+    owner: str
+    method: str
+    error_module: str
+    error: str
+
+
+# vLLM 0.32-0.33 (vllm/entrypoints/generate/base/serving.py)
+HOOK = Hook("vllm.entrypoints.generate.base.serving", "GenerateBaseServing", "_raise_if_error",
+            "vllm.exceptions", "GenerationError")
+_MARK = "_kvconnectors_client_errors"  # set on the wrapper: the hook says itself whether it is patched
 
 
 def remember(errors: dict[str, list[str]] | None) -> None:
@@ -80,30 +99,32 @@ def with_cause(body: dict[str, Any], cause: str) -> dict[str, Any]:
 
 
 def install() -> bool:
-    """Wrap vLLM's `_raise_if_error` (once per process), and the two places that turn its error
-    into a body, to add the cause field. False when `_raise_if_error` is not where this vLLM
-    version was known to have it; then nothing changes."""
-    global _installed
-    with _lock:
-        if _installed:
-            return True
+    """Wrap vLLM's `_raise_if_error` (idempotent), and the two places that turn its error into a
+    body, to add the cause field. False when the hook is not where this vLLM version was known to
+    have it (a later vLLM moved it): a warning, and nothing changes."""
+    with _install_lock:
         try:
-            from vllm.entrypoints.generate.base.serving import GenerateBaseServing
-            from vllm.exceptions import GenerationError
-        except ImportError as exc:
-            logger.warning("KV failure causes will not reach HTTP clients (vLLM hook not found: %s)", exc)
+            owner = getattr(importlib.import_module(HOOK.module), HOOK.owner)
+            error_cls = getattr(importlib.import_module(HOOK.error_module), HOOK.error)
+        except Exception as exc:  # ImportError, AttributeError, or the module failing as it loads
+            logger.warning("KV failure causes will not reach HTTP clients (vLLM hook %s.%s not found: %s)",
+                           HOOK.module, HOOK.owner, exc)
             return False
-        original = getattr(GenerateBaseServing, "_raise_if_error", None)
+        original = getattr(owner, HOOK.method, None)
         if original is None:
-            logger.warning("KV failure causes will not reach HTTP clients (_raise_if_error not found)")
+            logger.warning("KV failure causes will not reach HTTP clients (%s.%s.%s not found)",
+                           HOOK.module, HOOK.owner, HOOK.method)
             return False
+        if getattr(original, _MARK, False):
+            return True  # the mark is on the hook, not here: a re-imported module does not wrap twice
 
-        class KVLoadError(GenerationError):
-            """vLLM's GenerationError (same status, same handling) that knows its FailureCause."""
+        class KVLoadError(error_cls):
+            """vLLM's GenerationError (same status, same handling) that knows its FailureCause
+            (`kv_cause` is what the body wrappers look for, whichever install made the class)."""
 
             def __init__(self, cause: str, detail: str):
                 super().__init__(client_error_message(cause, detail))
-                self.cause, self.detail = cause, detail
+                self.cause, self.detail, self.kv_cause = cause, detail, cause
 
         def _raise_if_error(self, finish_reason, request_id):  # noqa: ANN001 - vLLM's signature
             if finish_reason == "error":
@@ -114,23 +135,26 @@ def install() -> bool:
             return original(self, finish_reason, request_id)
 
         _raise_if_error.__wrapped__ = original  # type: ignore[attr-defined]
-        GenerateBaseServing._raise_if_error = _raise_if_error
-        _install_cause_field(GenerateBaseServing, KVLoadError)
-        _installed = True
+        setattr(_raise_if_error, _MARK, True)
+        setattr(owner, HOOK.method, _raise_if_error)
+        _install_cause_field(owner, KVLoadError)
         return True
 
 
 def _install_cause_field(serving: type, error_class: type) -> None:
-    """Add the cause field to the JSON body and the SSE error event vLLM builds for `error_class`."""
+    """Add the cause field to the JSON body and the SSE error event vLLM builds for `error_class`
+    (each wrapper marked, so a second install leaves it)."""
     stream = getattr(serving, "_convert_generation_error_to_streaming_response", None)
     if stream is None:
         logger.warning("streamed KV failure errors will not carry %s (vLLM hook not found)", CLIENT_ERROR_CAUSE_FIELD)
-    else:
+    elif not getattr(stream, _MARK, False):
         def _convert_generation_error_to_streaming_response(self, e):  # noqa: ANN001 - vLLM's signature
             text = stream(self, e)
-            return json.dumps(with_cause(json.loads(text), e.cause)) if isinstance(e, error_class) else text
+            cause = getattr(e, "kv_cause", None)
+            return json.dumps(with_cause(json.loads(text), cause)) if cause is not None else text
 
         _convert_generation_error_to_streaming_response.__wrapped__ = stream  # type: ignore[attr-defined]
+        setattr(_convert_generation_error_to_streaming_response, _MARK, True)
         serving._convert_generation_error_to_streaming_response = _convert_generation_error_to_streaming_response
     try:
         from starlette.responses import JSONResponse
@@ -140,12 +164,16 @@ def _install_cause_field(serving: type, error_class: type) -> None:
         logger.warning("KV failure error bodies will not carry %s (vLLM hook not found: %s)",
                        CLIENT_ERROR_CAUSE_FIELD, exc)
         return
+    if getattr(handler, _MARK, False):
+        return
 
     async def generation_error_handler(req, exc):  # noqa: ANN001 - vLLM's signature
         response = await handler(req, exc)
-        if not isinstance(exc, error_class):
+        cause = getattr(exc, "kv_cause", None)
+        if cause is None:
             return response
-        return JSONResponse(with_cause(json.loads(response.body), exc.cause), status_code=response.status_code)
+        return JSONResponse(with_cause(json.loads(response.body), cause), status_code=response.status_code)
 
     generation_error_handler.__wrapped__ = handler  # type: ignore[attr-defined]
+    setattr(generation_error_handler, _MARK, True)
     vllm_error.generation_error_handler = generation_error_handler

@@ -19,6 +19,13 @@ from kvconnectors.compat import check_vllm_version
 
 check_vllm_version()
 
+from kvconnectors.registry import setup_process  # noqa: E402
+
+# The plugin entry point does this in every vLLM process of an installed kvconnectors; a checkout
+# loaded by kv_connector_module_path has no entry point, and vLLM importing this module is where
+# each of its processes passes (idempotent).
+setup_process()
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1, KVConnectorRole, KVConnectorTransferResults)
 

@@ -14,16 +14,16 @@ is no longer held at a "maybe" address is expected and not counted as lost.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from kvconnectors.errors import TransferError
+from kvconnectors.logs import get_logger
 from kvconnectors.transport.client import StoreClient
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 Addr = tuple[str, int]
 

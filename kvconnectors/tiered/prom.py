@@ -1,6 +1,7 @@
 """Prometheus metrics of TieredConnector, registered by vLLM in the API-server process.
 
-Two sources, one per kind of metric:
+Every metric (name, type, labels, help, what feeds it) is declared once in metrics.py; this module
+registers them and fills them. Two sources, one per kind of metric:
 
 - Counters (transfers, bytes, failures, store spills, ...) come from each interval's
   `TieredStats.data` (stats.py), which vLLM hands to `observe()`; metric objects are vLLM's own
@@ -17,7 +18,6 @@ that holds only file-backed metrics, so the state gauges are not exported there 
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -30,39 +30,19 @@ from prometheus_client.core import GaugeMetricFamily
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from kvconnectors.errors import TransferError
-from kvconnectors.tiered import client_errors
+from kvconnectors.logs import get_logger
+from kvconnectors.tiered import client_errors, metrics
 from kvconnectors.tiered.config import TieredConfig
-from kvconnectors.tiered.stats import DATA_PATHS
+from kvconnectors.tiered.metrics import Metric
 from kvconnectors.transport import wire
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import store_status
 from kvconnectors.transport.push import parse_target
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
-_SECONDS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
-_STORE_COUNTERS = {
-    "spills": "entries spilled from DRAM to NVMe",
-    "spill_bytes": "bytes spilled from DRAM to NVMe",
-    "restores": "entries restored from NVMe to DRAM",
-    "restore_bytes": "bytes restored from NVMe to DRAM",
-    "hits_dram": "reads served from DRAM",
-    "hits_nvme": "reads served from NVMe",
-    "renewals": "lease renewals",
-    "releases": "explicit lease releases",
-    "expiries": "leases that expired (consumer never came or died)",
-}
-# scrape-time gauge -> (its value in one rank's StatusReply, help)
-_STORE_GAUGES: dict[str, tuple[str, str]] = {
-    "entries": ("entries", "transfers held in the store"),
-    "dram_bytes": ("dram_used_bytes", "bytes held in the DRAM tier"),
-    "nvme_bytes": ("nvme_used_bytes", "bytes held in the NVMe tier"),
-    "pinned": ("pinned", "entries pinned by a read in progress"),
-    "connections": ("active_connections", "open connections to the store server (pulls, pushes, renewals)"),
-}
 STATUS_TIMEOUT_S = 1.0   # per rank and step (connect, then status): a scrape must stay short
 LOG_EVERY_S = 60.0       # an unreachable rank is logged at most this often
-_PATHS_HELP = ", ".join(DATA_PATHS)
 
 
 class StoreCollector:
@@ -93,20 +73,16 @@ class StoreCollector:
         families = self._families()
         for labelvalues, addrs in engines.values():
             answered = [replies[a] for a in addrs if replies.get(a) is not None]
-            families["up"].add_metric(labelvalues, 1.0 if len(answered) == len(addrs) else 0.0)
+            families[metrics.STORE_UP].add_metric(labelvalues, 1.0 if len(answered) == len(addrs) else 0.0)
             if not answered:
                 continue  # no rank answered: no value, rather than zeros that read as an empty store
-            for key, (field_name, _) in _STORE_GAUGES.items():
-                families[key].add_metric(labelvalues, float(sum(getattr(r, field_name) for r in answered)))
+            for m in metrics.STATUS_GAUGES:
+                families[m].add_metric(labelvalues, float(sum(getattr(r, m.key) for r in answered)))
         yield from families.values()
 
-    def _families(self) -> dict[str, GaugeMetricFamily]:
-        out = {key: GaugeMetricFamily(f"kvconnectors:store_{key}", f"Store: {doc} (read at scrape time, "
-                                      "summed over tensor-parallel ranks).", labels=self._labelnames)
-               for key, (_, doc) in _STORE_GAUGES.items()}
-        out["up"] = GaugeMetricFamily("kvconnectors:store_up", "1 if every tensor-parallel rank's store server "
-                                      "answered this scrape's status call, else 0.", labels=self._labelnames)
-        return out
+    def _families(self) -> dict[Metric, GaugeMetricFamily]:
+        return {m: GaugeMetricFamily(m.name, m.help, labels=self._labelnames)
+                for m in (*metrics.STATUS_GAUGES, metrics.STORE_UP)}
 
     def _query(self, addrs: set[str]) -> dict[str, wire.StatusReply | None]:
         ordered = sorted(addrs)
@@ -130,7 +106,7 @@ class StoreCollector:
                 return
             self._last_logged[addr] = now
         logger.warning("store server %s did not answer its status call (store gauges leave it out, "
-                       "kvconnectors:store_up 0): %s", addr, exc)
+                       "%s 0): %s", addr, metrics.STORE_UP.name, exc)
 
 
 # the StoreCollector registered in each registry: a second TieredPromMetrics replaces the first
@@ -161,76 +137,52 @@ class TieredPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]], registry: CollectorRegistry | None = None):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._labels = labelnames
-        client_errors.install()  # this is the API-server process: let failed requests say why
-
-        def per_engine(metric: Any) -> dict[int, Any]:
-            return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
-
-        c = self._counter_cls
-        self.transfers = c(name="kvconnectors:transfers", labelnames=[*labelnames, "path"],
-                           documentation=f"KV transfers completed into this (decode) instance, by the data "
-                                         f"path that carried most of their bytes ({_PATHS_HELP}; none: "
-                                         "nothing to move).")
-        self.transfer_bytes = c(name="kvconnectors:transfer_bytes", labelnames=[*labelnames, "path"],
-                                documentation=f"KV bytes received by this (decode) instance, by data path "
-                                              f"({_PATHS_HELP}).")
-        self.path_fallbacks = c(name="kvconnectors:path_fallbacks", labelnames=[*labelnames, "configured", "used"],
-                                documentation="KV loads that could not use the configured data path and used "
-                                              "another (e.g. shm -> tcp for a producer without shared memory).")
-        self.staged_bytes = per_engine(c(name="kvconnectors:staged_bytes", labelnames=labelnames,
-                                         documentation="KV bytes staged into the host store (prefill side)."))
-        self.transfer_time = per_engine(self._histogram_cls(
-            name="kvconnectors:transfer_seconds", buckets=_SECONDS, labelnames=labelnames,
-            documentation="Duration of one request's KV pull, connect to last byte."))
-        self.retries = per_engine(c(name="kvconnectors:transfer_retries", labelnames=labelnames,
-                                    documentation="KV pulls retried after a transient fault (failure_policy retry)."))
-        self.pushes = per_engine(c(name="kvconnectors:pushes", labelnames=labelnames,
-                                   documentation="Transfers pushed to a decode instance's landing store (prefill side)."))
-        self.pushed_bytes = per_engine(c(name="kvconnectors:pushed_bytes", labelnames=labelnames,
-                                         documentation="KV bytes pushed to decode instances (prefill side)."))
-        self.push_fallbacks = per_engine(c(name="kvconnectors:push_fallbacks", labelnames=labelnames,
-                                           documentation="Pushed transfers that did not land, pulled instead "
-                                                         "(decode side)."))
-        self.failures = c(name="kvconnectors:transfer_failures", labelnames=[*labelnames, "cause"],
-                          documentation="KV transfer and staging failures by cause.")
-        self.store_counters = {
-            k: per_engine(c(name=f"kvconnectors:store_{k}", labelnames=labelnames, documentation=f"Store: {doc}."))
-            for k, doc in _STORE_COUNTERS.items()}
+        # declared metric -> registered one: the parent for labelled counters (their label values come
+        # with the data), one child per engine for the others
+        self.fed: dict[Metric, Any] = {m: self._register(m, per_engine_labelvalues)
+                                       for m in (*metrics.INTERVAL, *metrics.STORE_COUNTERS)}
         self.store_state = StoreCollector(labelnames, connector_secret(vllm_config))
         install_collector(self.store_state, REGISTRY if registry is None else registry)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             logger.warning("PROMETHEUS_MULTIPROC_DIR is set (api_server_count > 1): vLLM's /metrics serves "
                            "only file-backed metrics, so the kvconnectors:store_* state gauges are not exported")
 
+    def _register(self, m: Metric, per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        labelnames = [*self._labels, *m.labels]
+        if m.kind == "histogram":
+            metric = self._histogram_cls(name=m.name, documentation=m.help, labelnames=labelnames,
+                                         buckets=list(m.buckets))
+        else:
+            metric = self._counter_cls(name=m.name, documentation=m.help, labelnames=labelnames)
+        if m.labels:
+            return metric
+        return {idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()}
+
     def observe(self, data: dict[str, Any], engine_idx: int = 0) -> None:
         client_errors.remember(data.get("errors"))
         labels = self.per_engine_labelvalues[engine_idx]
-        for path, n in data.get("transfers_by_path", {}).items():
-            if n:
-                self.transfers.labels(*labels, path).inc(n)
-        for path, n in data.get("bytes_by_path", {}).items():
-            if n:
-                self.transfer_bytes.labels(*labels, path).inc(n)
-        for fallback, n in data.get("path_fallbacks", {}).items():
-            configured, _, used = fallback.partition("->")
-            self.path_fallbacks.labels(*labels, configured, used).inc(n)
-        if data.get("bytes_staged"):
-            self.staged_bytes[engine_idx].inc(data["bytes_staged"])
-        if data.get("retries"):
-            self.retries[engine_idx].inc(data["retries"])
-        if data.get("pushes"):
-            self.pushes[engine_idx].inc(data["pushes"])
-        if data.get("bytes_pushed"):
-            self.pushed_bytes[engine_idx].inc(data["bytes_pushed"])
-        if data.get("push_fallbacks"):
-            self.push_fallbacks[engine_idx].inc(data["push_fallbacks"])
-        for seconds in data.get("transfer_seconds", []):
-            self.transfer_time[engine_idx].observe(seconds)
-        for cause, n in data.get("failures", {}).items():
-            self.failures.labels(*labels, cause).inc(n)
         store = data.get("store") or {}
-        for k, n in store.get("deltas", {}).items():
-            if k in self.store_counters and n:
-                self.store_counters[k][engine_idx].inc(n)
+        for m, metric in self.fed.items():
+            value = ((store.get("deltas") or {}) if m.source == "store" else data).get(m.key)
+            if not value:
+                continue
+            if m.kind == "histogram":
+                for seconds in value:
+                    metric[engine_idx].observe(seconds)
+            elif m.labels:
+                for key, n in value.items():
+                    if n:
+                        self._count_labelled(m, metric, labels, key, n)
+            else:
+                metric[engine_idx].inc(value)
         if store.get("addrs"):
             self.store_state.learn(engine_idx, labels, store["addrs"])
+
+    @staticmethod
+    def _count_labelled(m: Metric, metric: Any, labels: list[object], key: str, n: int) -> None:
+        try:
+            values = metrics.label_values(m, key)
+        except ValueError as exc:  # a bug in what fed it; the API server's stats loop must go on
+            logger.warning("%s not counted: %s", m.name, exc)
+            return
+        metric.labels(*labels, *values).inc(n)

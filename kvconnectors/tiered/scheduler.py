@@ -10,12 +10,12 @@ explicitly if the request is aborted first.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.logs import get_logger
 from kvconnectors.tiered import params as kvparams
 from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.lease_keeper import LeaseKeeper
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass

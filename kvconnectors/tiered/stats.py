@@ -2,7 +2,8 @@
 
 `data` stays a plain dict of numbers, lists and dicts so it crosses processes as-is; vLLM's
 logger prints `reduce()` as the "KV Transfer metrics" line and `TieredPromMetrics.observe`
-(prom.py) turns it into Prometheus counters. Shape (one interval, summed over TP ranks):
+(prom.py) turns it into the Prometheus metrics declared, with the key each is fed from, in
+metrics.py. Shape (one interval, summed over TP ranks):
 
     transfers, bytes_received, ...          totals (_COUNTERS)
     bytes_by_path      {"shm": 1048576}     bytes each data path carried (DATA_PATHS)
@@ -24,20 +25,20 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-# Data-path names, the `path` label of the transfer metrics: pulls over a socket, from the
-# producer's shared-memory arena, by a NIXL READ; and pushes that landed over a socket or by a
-# NIXL WRITE in this decode's landing store (then loaded from there).
-DATA_PATHS = ("tcp", "shm", "nixl", "push_tcp", "push_nixl")
-NO_PATH = "none"  # transfers only: a load with nothing to move (every block already local)
+from kvconnectors.tiered import metrics
+from kvconnectors.tiered.metrics import DATA_PATHS, NO_PATH  # noqa: F401  (the path labels; imported from here too)
 
-_COUNTERS = ("transfers", "bytes_received", "bytes_staged", "blocks_staged", "staging_failures", "retries",
-             "pushes", "bytes_pushed", "push_fallbacks")
-_PER_KEY = ("bytes_by_path", "transfers_by_path", "path_fallbacks", "failures")  # dicts of counts
+# What `data` holds: the keys the exported metrics are fed from (metrics.INTERVAL), and totals only
+# the log line and `is_empty` read.
+_LOG_ONLY = ("transfers", "bytes_received", "blocks_staged", "staging_failures")
+_COUNTERS = (*_LOG_ONLY, *(m.key for m in metrics.INTERVAL if m.kind == "counter" and not m.labels))
+_PER_KEY = tuple(m.key for m in metrics.INTERVAL if m.kind == "counter" and m.labels)  # dicts of counts
+_LISTS = tuple(m.key for m in metrics.INTERVAL if m.kind == "histogram")  # observations
 
 
 def _empty() -> dict[str, Any]:
     # errors: request id -> [cause, message] of failed loads, for the client's error (client_errors.py)
-    return {**{k: 0 for k in _COUNTERS}, **{k: {} for k in _PER_KEY}, "transfer_seconds": [], "errors": {}}
+    return {**{k: 0 for k in _COUNTERS}, **{k: {} for k in _PER_KEY}, **{k: [] for k in _LISTS}, "errors": {}}
 
 
 def _add_counts(mine: dict[str, int], theirs: dict[str, int]) -> None:
@@ -83,7 +84,7 @@ class TieredStats(KVConnectorStats):
 
     def record_path_fallback(self, configured: str, used: str) -> None:
         """A load that could not use the configured path (e.g. shm without an shm_path) used `used`."""
-        _add_counts(self.data["path_fallbacks"], {f"{configured}->{used}": 1})
+        _add_counts(self.data["path_fallbacks"], {metrics.label_key(configured, used): 1})
 
     def record_failure(self, cause: str) -> None:
         _add_counts(self.data["failures"], {cause: 1})
@@ -117,7 +118,8 @@ class TieredStats(KVConnectorStats):
             self.data[k] += other.data.get(k, 0)
         for k in _PER_KEY:
             _add_counts(self.data[k], other.data.get(k, {}))
-        self.data["transfer_seconds"].extend(other.data.get("transfer_seconds", []))
+        for k in _LISTS:
+            self.data[k].extend(other.data.get(k, []))
         self.data.setdefault("errors", {}).update(other.data.get("errors", {}))
         theirs = other.data.get("store")
         if theirs:

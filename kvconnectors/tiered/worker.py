@@ -14,7 +14,6 @@ own store and copy it in. Report every outcome (done or failed with a cause) thr
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import threading
@@ -28,6 +27,7 @@ import torch
 import xxhash
 
 from kvconnectors.errors import ConfigError, FailureCause, StoreFullError, TransferError
+from kvconnectors.logs import get_logger
 from kvconnectors.store import StoreConfig, TieredStore
 from kvconnectors.store.reaper import Reaper
 from kvconnectors.tiered.config import TieredConfig
@@ -43,7 +43,7 @@ from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.push import PushJob, PushSender, parse_target
 from kvconnectors.transport.server import StoreServer
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 _MAX_FAILURE_MEMORY = 10_000
 FIRST_CHUNK_GRACE_S = 5.0  # push: no chunk of a transfer landed by then -> pull from the producer
 LANDED_READ_BYTES = 32 << 20  # push: bytes copied out of the landing store per read_into call

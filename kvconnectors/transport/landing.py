@@ -17,7 +17,6 @@ never readable: only sealed entries are.
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
@@ -28,12 +27,13 @@ import numpy as np
 import xxhash
 
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
+from kvconnectors.logs import get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.client import _cause  # a peer's cause string, unknown ones as protocol
 from kvconnectors.transport.faults import FaultRule, corrupted
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 MAX_FAILURES = 10_000              # remembered landing failures (oldest forgotten first)
 NIXL_BOUNCE_BYTES = 64 << 20       # registered once; larger pushes are READ in pieces
 # A NIXL READ holds the landing side's one bounce buffer, so a stalled producer blocks every other

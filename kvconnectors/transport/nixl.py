@@ -33,7 +33,6 @@ alone, because on an RDMA host those settings would disable the network it shoul
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import secrets
 import select
@@ -46,8 +45,9 @@ from typing import Any
 import numpy as np
 
 from kvconnectors.errors import ConfigError, FailureCause, TransferError
+from kvconnectors.logs import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 INSTALL_HINT = "pip install 'kvconnectors[nixl]' (install the CPU torch wheel first on CPU hosts)"
 

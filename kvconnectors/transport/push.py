@@ -14,7 +14,6 @@ transfer (the producer gave up on it) only tells the landing side; it reports no
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -24,11 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
+from kvconnectors.logs import get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import StoreClient
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 Addr = tuple[str, int]
 
 

@@ -7,7 +7,6 @@ connection (and the server) keep serving.
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 
@@ -17,13 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.logs import get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import auth, wire
 from kvconnectors.transport.faults import FaultPlan, FaultRule, corrupted
 from kvconnectors.transport.landing import ConnectionState, Landing
 from kvconnectors.transport.nixl import NixlSource
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 MAX_RENEW = 4096  # transfer ids per Renew message
 
 
