@@ -5,10 +5,10 @@
                         KV-cache block (numpy fancy-index copy, 1 thread)
            socket       raw TCP loopback between two processes, sendall / recv_into one contiguous
                         buffer: the ceiling for our tcp
-  ours     tcp          StoreClient.read(data_path="inline") from a producer's TieredStore served by
+  ours     tcp          StoreClient.read(path=TCP_PULL) from a producer's TieredStore served by
                         StoreServer, into the KV-cache blocks, then Release (what worker.py does)
-           shm          the same with data_path="shm" (store arena in /dev/shm, one copy)
-           nixl         the same with data_path="nixl" (consumer NixlSink READs the producer arena)
+           shm          the same with path=SHM_PULL (store arena in /dev/shm, one copy)
+           nixl         the same with path=NixlPull(sink) (consumer NixlSink READs the producer arena)
   engines  nixl_direct  NIXL UCX agent-to-agent READ of the same layout, descriptor lists prepared
                         once, progress threads off: the initiator polls the transfer tightly, the
                         target progresses its worker with our server's backoff policy while it runs
@@ -156,7 +156,6 @@ PATHS: dict[str, PathInfo] = {
     "mooncake": PathInfo("engine", "Mooncake TransferEngine tcp, P2PHANDSHAKE, sync batch read", True,
                          "mooncake"),
 }
-OURS_DATA_PATH = {"tcp": "inline", "shm": "shm", "nixl": "nixl"}
 COMPARISONS = (("tcp", "socket", 0.8), ("shm", "memcpy", 0.5), ("nixl", "nixl_direct", 0.9))
 KIND_COLOR = {"limit": "#9e9e9e", "ours": "#1f77b4", "engine": "#ff7f0e"}
 
@@ -571,13 +570,14 @@ class Consumer:
 
     def _run_ours(self, path: str) -> float:
         from kvconnectors.transport.client import StoreClient
+        from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, NixlPull
 
         g = self.geom
         self.seq += 1
         key = f"{path}-{self.seq}"
         stage_s = self.producer.stage(path, key)  # off the clock
         self.extra.setdefault(path, {}).setdefault("stage_s", []).append(stage_s)
-        data_path = OURS_DATA_PATH[path]
+        data_path = {"tcp": TCP_PULL, "shm": SHM_PULL, "nixl": NixlPull(sink=self.sink)}[path]
         port = self.producer.info[f"port_{path}"]
         t0 = time.perf_counter()
         # == TieredConnectorWorker._pull_into_cache: views of the target blocks, one client per pull
@@ -585,8 +585,8 @@ class Consumer:
         dest = [memoryview(self.kv[layer][b]) for layer in range(g.num_layers) for b in self.targets_list]
         with StoreClient("127.0.0.1", port, compat=self.compat, peer_name="bench") as client:
             nbytes = client.read(key, range(g.num_layers), 0, dest, fingerprint=FP, deadline=deadline,
-                                 verify=self.checksum, data_path=data_path, nixl=self.sink)
-            if data_path == "inline":
+                                 verify=self.checksum, path=data_path)
+            if data_path.streams:
                 client.release(key, deadline)  # shm and nixl released inside read()
         elapsed = time.perf_counter() - t0
         if nbytes != g.total_bytes:

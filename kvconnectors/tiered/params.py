@@ -16,6 +16,9 @@ import xxhash
 from kvconnectors.errors import FailureCause, TransferError
 
 PARAMS_VERSION = 2  # 2: push_target
+# Tickets a consumer accepts: the previous version too, for one release (a producer pool may still
+# run it while the consumers are upgraded). v1 had no push_target: it reads as "" (pull).
+ACCEPTED_PARAMS_VERSIONS = (PARAMS_VERSION - 1, PARAMS_VERSION)
 KEY = "kvc"
 _MAX_TOKENS = 1 << 24
 
@@ -75,8 +78,10 @@ def parse(params: dict[str, Any], prompt_token_ids: list[int] | None, block_size
     def bad(field: str, why: str) -> TransferError:
         return TransferError(FailureCause.BAD_PARAMS,
                              f"kv_transfer_params.{KEY}.{field}={getattr(p, field)!r}: {why}")
-    if p.v != PARAMS_VERSION:
-        raise bad("v", f"this consumer speaks version {PARAMS_VERSION}")
+    if p.v not in ACCEPTED_PARAMS_VERSIONS:
+        raise bad("v", f"this consumer accepts versions {' and '.join(map(str, ACCEPTED_PARAMS_VERSIONS))}")
+    if p.v < 2 and p.push_target:
+        raise bad("push_target", f"version {p.v} tickets have no push_target (added in version 2)")
     if not p.transfer_id or len(p.transfer_id) > 512:
         raise bad("transfer_id", "must be 1..512 characters")
     if not p.addrs or any(not (0 < a.port < 65536) or not a.host for a in p.addrs):

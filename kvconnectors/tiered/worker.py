@@ -40,6 +40,7 @@ from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.landing import Landing
+from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, TCP_PUSH, NixlPull, NixlPush, PullPath
 from kvconnectors.transport.push import PushJob, PushSender, parse_target
 from kvconnectors.transport.server import StoreServer
 
@@ -47,7 +48,6 @@ logger = get_logger(__name__)
 _MAX_FAILURE_MEMORY = 10_000
 FIRST_CHUNK_GRACE_S = 5.0  # push: no chunk of a transfer landed by then -> pull from the producer
 LANDED_READ_BYTES = 32 << 20  # push: bytes copied out of the landing store per read_into call
-PULL_PATHS = {"inline": "tcp", "shm": "shm", "nixl": "nixl"}  # wire data_path -> metric label
 
 
 class TieredConnectorWorker:
@@ -97,7 +97,7 @@ class TieredConnectorWorker:
         # transport nixl: fail start-up now if NIXL is missing; the consumer agent comes at first pull
         if config.transport == "nixl":
             nixl_transport.require_nixl()
-        self._nixl_sink: nixl_transport.NixlSink | None = None
+        self._nixl_pull: NixlPull | None = None  # holds this process's consumer NIXL agent
         self._nixl_lock = threading.Lock()
         self.inflight_loads = 0
 
@@ -127,20 +127,21 @@ class TieredConnectorWorker:
         self._reaper = Reaper(self.store, interval_s=min(1.0, cfg.lease_ttl_s / 4)).start()
         port = cfg.store_port + tp_rank if cfg.store_port else 0
         if landing:
-            sink = (lambda: nixl_transport.NixlSink(tag=f"landing-{self.engine_id}")) \
-                if cfg.transport == "nixl" else None
+            push_paths = [TCP_PUSH] + ([NixlPush(sink_factory=lambda: nixl_transport.NixlSink(
+                tag=f"landing-{self.engine_id}"))] if cfg.transport == "nixl" else [])
             self.landing = Landing(self.store, fingerprint=self.layout.fingerprint,
-                                   num_layers=self.layout.num_layers, nixl_sink_factory=sink,
-                                   test_hooks=cfg.test_hooks)
+                                   num_layers=self.layout.num_layers, paths=push_paths, test_hooks=cfg.test_hooks)
+        # peers of the previous wire version too: pools are upgraded one at a time
         self.server = StoreServer(self.store, cfg.bind_host, port, fingerprint=self.layout.fingerprint,
-                                  num_layers=self.layout.num_layers, compat=self._compat, secret=self._secret,
+                                  num_layers=self.layout.num_layers, compat=wire.compat_hashes("tiered"),
+                                  secret=self._secret,
                                   staging_failure=self._staging_failed.get, faults=cfg.fault_plan,
                                   nixl=cfg.transport == "nixl" and self.is_producer, landing=self.landing)
         if self.is_producer:
             self.pusher = PushSender(self.store, fingerprint=self.layout.fingerprint,
                                      num_layers=self.layout.num_layers, client_factory=self._client,
                                      timeout_s=cfg.load_timeout_s, on_done=self._push_done,
-                                     nixl_source=self.server.nixl)
+                                     path=NixlPush(source=self.server.nixl) if self.server.nixl else TCP_PUSH)
         logger.info("TieredConnector store: %s DRAM, serving %s:%d (%s%s), block %d B x %d layers",
                     cfg.dram_bytes, cfg.bind_host, self.server.port, cfg.transport,
                     ", accepts pushes" if landing else "", self.layout.block_bytes, self.layout.num_layers)
@@ -431,20 +432,19 @@ class TieredConnectorWorker:
                 self._record("record_push_fallback", exc.cause.value)
         dest = [memoryview(self._blocks[layer][b]) for layer in range(layout.num_layers) for b in targets]
         addr = p.addrs[layout.tp_rank]
-        data_path = self._pull_path(spec, p)
-        sink = self._nixl() if data_path == "nixl" else None
+        path = self._pull_path(spec, p)
         dest_addrs = None
-        if sink is not None:  # layer-major, like dest
+        if isinstance(path, NixlPull):  # layer-major, like dest
             ids = np.asarray(targets, dtype=np.uint64)
             dest_addrs = (self._block_base[:, None] + ids[None, :] * self._block_stride[:, None]).reshape(-1)
         with self._client(addr.host, addr.port) as client:
             nbytes = client.read(p.transfer_id, range(layout.num_layers), spec.first_block, dest,
                                  fingerprint=layout.fingerprint, deadline=deadline,
                                  verify=self.config.checksum and fault != "corrupt",
-                                 data_path=data_path, nixl=sink, dest_addrs=dest_addrs)
+                                 path=path, dest_addrs=dest_addrs)
             if fault == "corrupt":  # test hook: silently, where the data path delivered the bytes
                 tamper.corrupt(dest)
-            if data_path == "inline":
+            if path.streams:
                 # The KV has landed and been verified: a slow or failed release must not fail the
                 # load (the lease ends the entry anyway), so give it its own short deadline.
                 try:
@@ -452,18 +452,18 @@ class TieredConnectorWorker:
                 except TransferError as exc:
                     logger.warning("release of %s failed after a good pull (it will expire): %s",
                                    p.transfer_id, exc)
-        return {PULL_PATHS[data_path]: nbytes}
+        return {path.label: nbytes}
 
-    def _pull_path(self, spec: RecvSpec, p: TransferParams) -> str:
-        """The wire data path of a pull. A ticket that cannot use the configured one (shm, but the
+    def _pull_path(self, spec: RecvSpec, p: TransferParams) -> PullPath:
+        """The data path of a pull: the configured one. A ticket that cannot use it (shm, but the
         producer has no shm arena) goes over tcp, counted and logged: never silently."""
         transport = self.config.transport
         if transport == "shm" and not p.shm_path:
             logger.warning("request %s: transport shm configured, but the producer's ticket has no shm arena "
                            "(is the producer on transport shm and this host?); pulling over tcp", spec.req_id)
-            self._record("record_path_fallback", "shm", "tcp")
-            return "inline"
-        return "nixl" if transport == "nixl" else "shm" if transport == "shm" else "inline"
+            self._record("record_path_fallback", SHM_PULL.label, TCP_PULL.label)
+            return TCP_PULL
+        return self._nixl() if transport == "nixl" else SHM_PULL if transport == "shm" else TCP_PULL
 
     def _load_landed(self, p: TransferParams, first_block: int, targets: list[int], deadline: float,
                      fault: str | None = None) -> dict[str, int]:
@@ -500,19 +500,19 @@ class TieredConnectorWorker:
             except TransferError:
                 pass
 
-    def _nixl(self) -> nixl_transport.NixlSink:
-        """This process's NIXL agent, created at the first nixl pull with every KV cache layer
-        registered once (pull threads share it)."""
+    def _nixl(self) -> NixlPull:
+        """The nixl pull path with this process's NIXL agent, created at the first nixl pull with
+        every KV cache layer registered once (pull threads share it)."""
         with self._nixl_lock:
-            if self._nixl_sink is None:
+            if self._nixl_pull is None:
                 sink = nixl_transport.NixlSink(tag=self.engine_id)
                 try:
                     sink.register(self._blocks)
                 except BaseException:
                     sink.close()
                     raise
-                self._nixl_sink = sink
-            return self._nixl_sink
+                self._nixl_pull = NixlPull(sink=sink)
+            return self._nixl_pull
 
     def _finish(self, req_id: str, error: TransferError | None, bytes_by_path: dict[str, int] | None = None,
                 seconds: float = 0.0) -> None:
@@ -575,9 +575,9 @@ class TieredConnectorWorker:
         if self.pusher is not None:
             self.pusher.close()
             self.pusher = None
-        if self._nixl_sink is not None:
-            self._nixl_sink.close()
-            self._nixl_sink = None
+        if self._nixl_pull is not None:
+            self._nixl_pull.close()
+            self._nixl_pull = None
         if self._reaper is not None:
             self._reaper.stop()
         if self.server is not None:

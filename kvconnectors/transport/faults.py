@@ -3,7 +3,10 @@
 A `FaultPlan` is a list of rules; the store server asks it before handling each request and
 acts on the rule that fires: drop (never answer), delay, corrupt (flip bytes of the data it
 sends, or on "push" of the data it received), truncate (send half, then hang up; on "push":
-hang up before reading the data) or disconnect (hang up before answering).
+hang up before reading the data) or disconnect (hang up before answering). The control-level
+actions (drop, delay, disconnect) act in the server's dispatch; the data ones (corrupt, truncate)
+wrap the request's data path (`with_fault`) and touch only bytes a path streams on the socket
+(shm / nixl pulls are fetched by the consumer itself: nothing to corrupt on the way).
 
 Rates are exact: each event draws ONE random number and the rules due on it own consecutive
 slices of [0, 1) (in rule order, each as wide as its probability), so at most one rule fires and
@@ -20,12 +23,15 @@ from __future__ import annotations
 
 import random
 import threading
-from typing import Literal
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import numpy as np
 
 from kvconnectors.errors import ConfigError
+from kvconnectors.transport.paths import HungUp
 
 Action = Literal["drop", "delay", "corrupt", "truncate", "disconnect"]
 Event = Literal["read", "renew", "release", "handshake", "push", "push_end"]
@@ -107,3 +113,53 @@ def corrupted(block: memoryview) -> bytes:
     prompt decodes differently when the corruption goes unnoticed."""
     data = np.frombuffer(block.cast("B") if block.format != "B" else block, dtype=np.uint8) ^ np.uint8(0x5A)
     return data.tobytes()
+
+
+P = TypeVar("P")
+
+
+def with_fault(path: P, rule: FaultRule | None) -> P:
+    """`path` with a fired data fault applied to what it carries; unchanged for no rule or a
+    control-level one."""
+    return path if rule is None or rule.action not in DATA_ONLY else FaultyPath(path, rule)  # type: ignore[return-value]
+
+
+class FaultyPath:
+    """A data path (paths.PullPath or PushPath) with one fired data fault; everything else is the
+    wrapped path's. Pull, producer side: corrupt flips every streamed block, truncate hangs up once
+    the next layer group would pass half the bytes. Push, landing side: truncate hangs up before
+    the data is read, corrupt flips the first received block of a streamed push."""
+
+    def __init__(self, inner: Any, rule: FaultRule):
+        self._inner, self.rule = inner, rule
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    # pull, producer side
+    def serve(self, server, sock, read, nvme_slots, ttl, checksums, outgoing=None) -> None:
+        self._inner.serve(server, sock, read, nvme_slots, ttl, checksums,
+                          outgoing=self._outgoing if self._inner.streams else outgoing)
+
+    def _outgoing(self, layers: Iterable[list[memoryview]], nbytes: int, slot: int) -> Iterator[list[memoryview]]:
+        sent = 0
+        for blocks in layers:
+            if self.rule.action == "corrupt":  # per block, whatever runs the views span
+                blocks = [memoryview(corrupted(b[i:i + slot])) for b in blocks for i in range(0, len(b), slot)]
+            elif sent + sum(len(b) for b in blocks) > nbytes // 2:  # truncate
+                raise HungUp()
+            sent += sum(len(b) for b in blocks)
+            yield blocks
+
+    # push, landing side
+    def check(self, landing, push, rows) -> None:
+        self._inner.check(landing, push, rows)
+        if self.rule.action == "truncate":
+            raise HungUp()
+
+    @contextmanager
+    def receive(self, landing, sock, push, conn) -> Iterator[np.ndarray]:
+        with self._inner.receive(landing, sock, push, conn) as buf:
+            if self.rule.action == "corrupt" and self._inner.streams:
+                buf[0] = np.frombuffer(corrupted(memoryview(buf[0])), dtype=np.uint8)
+            yield buf

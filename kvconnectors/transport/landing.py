@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import numpy as np
 import xxhash
@@ -30,16 +30,11 @@ from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.logs import get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import tamper, wire
-from kvconnectors.transport.client import _cause  # a peer's cause string, unknown ones as protocol
-from kvconnectors.transport.faults import FaultRule, corrupted
+from kvconnectors.transport.faults import FaultRule, with_fault
+from kvconnectors.transport.paths import PUSH_UNOFFERED, TCP_PUSH, HungUp, PushPath, hang_up, trailing_bytes
 
 logger = get_logger(__name__)
 MAX_FAILURES = 10_000              # remembered landing failures (oldest forgotten first)
-NIXL_BOUNCE_BYTES = 64 << 20       # registered once; larger pushes are READ in pieces
-# A NIXL READ holds the landing side's one bounce buffer, so a stalled producer blocks every other
-# producer's nixl pushes into this store: bound each READ by its size at a rate far below any link's.
-NIXL_READ_FLOOR_S = 5.0
-NIXL_READ_MIN_BYTES_PER_S = 50e6
 
 
 class ConnectionState:
@@ -58,14 +53,11 @@ class ConnectionState:
 
 class Landing:
     def __init__(self, store: TieredStore, *, fingerprint: str, num_layers: int,
-                 nixl_sink_factory: Callable[[], object] | None = None, seen_grace_s: float = 5.0,
-                 test_hooks: bool = False):
+                 paths: Sequence[PushPath] = (TCP_PUSH,), seen_grace_s: float = 5.0, test_hooks: bool = False):
+        """`paths`: the push data paths accepted (tcp; NixlPush(sink_factory=...) for transport nixl)."""
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
         self.test_hooks = test_hooks  # honour per-transfer corruption marks (tamper.py): tests only
-        self._sink_factory = nixl_sink_factory
-        self._sink = None
-        self._nixl_lock = threading.Lock()
-        self._nixl_bounce: np.ndarray | None = None
+        self.paths: dict[str, PushPath] = {p.name: p for p in paths}
         self._cond = threading.Condition()
         self._failed: OrderedDict[str, TransferError] = OrderedDict()
         self._seen: OrderedDict[str, float] = OrderedDict()  # transfer id -> first chunk arrival
@@ -106,58 +98,54 @@ class Landing:
             self._path_bytes.pop(transfer_id, None)
 
     def landed_bytes(self, transfer_id: str) -> dict[str, int]:
-        """Bytes of `transfer_id` that landed here over each push data path ("push_tcp", "push_nixl")."""
+        """Bytes of `transfer_id` that landed here over each push data path, by its label
+        ("push_tcp", "push_nixl")."""
         with self._cond:
             return dict(self._path_bytes.get(transfer_id, {}))
 
     # ------------------------------------------------------------------ producer connections
     def handle_push(self, sock: socket.socket, msg: wire.Push, conn: ConnectionState,
                     fault: FaultRule | None) -> None:
-        """Land one Push and answer it. Bytes that follow an inline Push are always consumed
+        """Land one Push and answer it. Bytes that follow a streamed Push are always consumed
         (refusals are answered in step, so other transfers on this connection go on) unless the
         header itself is unusable or the stream broke; then the connection is closed."""
-        inline = msg.data_path == "inline"
+        trailing = trailing_bytes(msg)
         try:
-            self._check_shape(msg)
+            path = with_fault(self._check_shape(msg), fault)
+            path.check(self, msg, len(msg.layers) * msg.num_blocks)
+        except HungUp:
+            hang_up(sock)  # a fault cut the connection before its data
+            return
         except TransferError as exc:
             self._fail(msg.transfer_id, exc, conn)
             wire.send_refusal(sock, exc)
-            if inline and msg.nbytes:
-                _hang_up(sock)  # sizes we cannot trust: the unread bytes would be taken for a frame
+            if trailing:
+                hang_up(sock)  # sizes we cannot trust: the unread bytes would be taken for a frame
             return
-        if fault is not None and fault.action == "truncate":
-            _hang_up(sock)
-            return
-        slot = self.store.slot_bytes
-        rows = len(msg.layers) * msg.num_blocks
         try:
             self._check_state(msg)
             self._ensure_entry(msg, conn)  # before the bytes: the consumer sees it is on its way
         except TransferError as exc:
-            if inline and not self._drain(sock, msg.nbytes, conn):
+            if trailing and not self._drain(sock, trailing, conn):
                 return
             self._fail(msg.transfer_id, exc, conn)
             wire.send_refusal(sock, exc)
             return
         try:
-            if inline:
-                buf = conn.bounce(rows * slot).reshape(rows, slot)
-                try:
-                    wire.recv_exact(sock, memoryview(buf.reshape(-1)), time.monotonic() + 60)
-                except TransferError as exc:  # the stream itself broke
-                    self._fail(msg.transfer_id, exc, conn)
-                    _hang_up(sock)
-                    return
-                self._land(msg, buf, fault, "push_tcp")
-            else:
-                self._land_nixl(msg, conn)
+            with path.receive(self, sock, msg, conn) as buf:
+                self._land(msg, buf, path.label)
+        except HungUp as broken:  # the stream itself broke
+            if broken.error is not None:
+                self._fail(msg.transfer_id, broken.error, conn)
+            hang_up(sock)
+            return
         except TransferError as exc:
             self._fail(msg.transfer_id, exc, conn)
             wire.send_refusal(sock, exc)
             return
         with self._cond:
             self.counters["pushes"] += 1
-            self.counters["push_bytes"] += rows * slot
+            self.counters["push_bytes"] += buf.nbytes
         if msg.seal:
             self.handle_end(sock, wire.PushEnd(transfer_id=msg.transfer_id), conn)
             return
@@ -184,7 +172,7 @@ class Landing:
             try:
                 wire.recv_exact(sock, memoryview(chunk), deadline)
             except TransferError:
-                _hang_up(sock)
+                hang_up(sock)
                 return False
             left -= chunk.size
         return True
@@ -193,7 +181,7 @@ class Landing:
         tid = msg.transfer_id
         conn.open.discard(tid)
         if not msg.ok:
-            cause = _cause(msg.cause)
+            cause = wire.failure_cause(msg.cause)
             self._fail(tid, TransferError(cause, f"producer {conn.peer} gave up pushing: {msg.message}"), conn)
             wire.send_msg(sock, wire.Ack(ok=True))
             return
@@ -218,7 +206,8 @@ class Landing:
                 f"producer {conn.peer} disconnected before it finished pushing transfer {tid!r}")), conn)
 
     # ------------------------------------------------------------------ internals
-    def _check_shape(self, msg: wire.Push) -> None:
+    def _check_shape(self, msg: wire.Push) -> PushPath:
+        """The path this push lands over, once its header is consistent (the path checks the rest)."""
         if not msg.transfer_id or len(msg.transfer_id) > 512:
             raise TransferError(FailureCause.PROTOCOL, f"bad transfer_id {msg.transfer_id[:64]!r}")
         if msg.fingerprint != self.fingerprint:
@@ -239,18 +228,12 @@ class Landing:
         rows = len(msg.layers) * msg.num_blocks
         if msg.checksums is not None and len(msg.checksums) != rows:
             raise TransferError(FailureCause.PROTOCOL, f"{len(msg.checksums)} checksums for {rows} blocks")
-        if msg.data_path == "inline":
-            if msg.nbytes != rows * self.store.slot_bytes:
-                raise TransferError(FailureCause.LAYOUT_MISMATCH, (
-                    f"push of {msg.nbytes} bytes for {rows} blocks of {self.store.slot_bytes} B"))
-        elif msg.data_path == "nixl":
-            if self._sink_factory is None:
-                raise TransferError(FailureCause.PROTOCOL, "push data_path 'nixl' sent to a consumer that was "
-                                                           "not started with transport 'nixl'")
-            if not msg.offsets or len(msg.offsets) != rows or msg.nixl_base_address <= 0:
-                raise TransferError(FailureCause.PROTOCOL, "nixl push without one offset per block")
-        else:
-            raise TransferError(FailureCause.PROTOCOL, f"unknown push data_path {msg.data_path!r}")
+        path = self.paths.get(msg.data_path)
+        if path is None:
+            why = PUSH_UNOFFERED.get(msg.data_path)
+            raise TransferError(FailureCause.PROTOCOL, f"push data_path {msg.data_path!r} {why}" if why
+                                else f"unknown push data_path {msg.data_path!r}")
+        return path
 
     def _check_state(self, msg: wire.Push) -> None:
         with self._cond:
@@ -275,10 +258,8 @@ class Landing:
                 self._seen.popitem(last=False)
             self._cond.notify_all()
 
-    def _land(self, msg: wire.Push, buf: np.ndarray, fault: FaultRule | None, path: str) -> None:
-        """Verify and write one group that arrived over `path` (bytes counted per path)."""
-        if fault is not None and fault.action == "corrupt":
-            buf[0] = np.frombuffer(corrupted(memoryview(buf[0])), dtype=np.uint8)
+    def _land(self, msg: wire.Push, buf: np.ndarray, label: str) -> None:
+        """Verify and write one group that arrived over the path `label` (bytes counted per path)."""
         silent = tamper.kind_of(msg.transfer_id, self.test_hooks) == "corrupt"
         if silent:  # test hook: corrupt where the push delivered the bytes, unnoticed by checksums
             tamper.corrupt(buf)
@@ -296,45 +277,9 @@ class Landing:
             raise TransferError(FailureCause.STORE_FULL, f"landing store write failed: {exc}") from None
         with self._cond:
             paths = self._path_bytes.setdefault(msg.transfer_id, {})
-            paths[path] = paths.get(path, 0) + buf.nbytes
+            paths[label] = paths.get(label, 0) + buf.nbytes
             while len(self._path_bytes) > MAX_FAILURES:
                 self._path_bytes.popitem(last=False)
-
-    def _land_nixl(self, msg: wire.Push, conn: ConnectionState) -> None:
-        """READ the blocks from the producer's arena into one registered bounce buffer (in pieces
-        when larger), verify, write into the store: one registration for the server's life."""
-        slot = self.store.slot_bytes
-        offsets = np.asarray(msg.offsets, dtype=np.uint64)
-        with self._nixl_lock:
-            sink = self._nixl_sink()
-            bounce = self._nixl_bounce
-            assert bounce is not None
-            piece = max(1, bounce.size // slot)
-            rows = len(offsets)
-            out = np.empty((rows, slot), dtype=np.uint8) if rows > piece else None
-            for start in range(0, rows, piece):
-                n = min(piece, rows - start)
-                dst = bounce[:n * slot].reshape(n, slot)
-                local = np.uint64(bounce.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(slot)
-                # keyed by the producer agent, not the connection: a reconnect reuses the loaded agent
-                meta = msg.nixl_agent_meta or b""
-                sink.read(f"push-{xxhash.xxh3_64_hexdigest(meta)}", meta,
-                          np.uint64(msg.nixl_base_address) + offsets[start:start + n], local, slot,
-                          read_deadline(n * slot))
-                if out is None:
-                    self._land(msg, dst, None, "push_nixl")
-                    return
-                out[start:start + n] = dst
-        self._land(msg, out, None, "push_nixl")
-
-    def _nixl_sink(self):
-        if self._sink is None:
-            assert self._sink_factory is not None
-            sink = self._sink_factory()
-            bounce = np.empty((NIXL_BOUNCE_BYTES,), dtype=np.uint8)
-            sink.register_regions([(int(bounce.ctypes.data), bounce.nbytes)])
-            self._sink, self._nixl_bounce = sink, bounce
-        return self._sink
 
     def _fail(self, tid: str, exc: TransferError, conn: ConnectionState) -> None:
         conn.open.discard(tid)
@@ -352,18 +297,5 @@ class Landing:
             self._cond.notify_all()
 
     def close(self) -> None:
-        if self._sink is not None:
-            self._sink.close()
-            self._sink = None
-
-
-def read_deadline(nbytes: int) -> float:
-    """When a NIXL READ of `nbytes` into the bounce buffer must have finished."""
-    return time.monotonic() + min(60.0, NIXL_READ_FLOOR_S + nbytes / NIXL_READ_MIN_BYTES_PER_S)
-
-
-def _hang_up(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
+        for path in self.paths.values():
+            path.close()

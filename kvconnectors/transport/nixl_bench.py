@@ -102,6 +102,7 @@ def bench_nixl_pull(nbytes: int = 256 << 20, *, block_bytes: int = 128 << 10, it
     from kvconnectors.transport import nixl as nx
     from kvconnectors.transport import wire
     from kvconnectors.transport.client import StoreClient
+    from kvconnectors.transport.paths import NixlPull
 
     if nbytes < block_bytes or nbytes % block_bytes:
         raise ValueError(f"nbytes={nbytes} must be a positive multiple of block_bytes={block_bytes}")
@@ -137,7 +138,7 @@ def bench_nixl_pull(nbytes: int = 256 << 20, *, block_bytes: int = 128 << 10, it
                 conn.recv()
                 t0 = time.perf_counter()
                 client.read(f"b{k}", [0], 0, dest, fingerprint=_FP, deadline=time.monotonic() + timeout_s,
-                            verify=verify, data_path="nixl", nixl=sink)
+                            verify=verify, path=NixlPull(sink=sink))
                 if k >= warmup:
                     times.append(time.perf_counter() - t0)
         if not np.array_equal(dst[local_of], expected):

@@ -27,6 +27,7 @@ from kvconnectors.logs import get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import StoreClient
+from kvconnectors.transport.paths import TCP_PUSH, PushPath
 
 logger = get_logger(__name__)
 Addr = tuple[str, int]
@@ -58,13 +59,15 @@ class PushJob:
 class PushSender:
     def __init__(self, store: TieredStore, *, fingerprint: str, num_layers: int,
                  client_factory: Callable[[str, int], StoreClient], timeout_s: float,
-                 on_done: Callable[[str, TransferError | None], None], nixl_source=None,
+                 on_done: Callable[[str, TransferError | None], None], path: PushPath = TCP_PUSH,
                  link_bytes_per_s: float | None = None):
+        """`path`: how the groups travel (tcp; NixlPush(source=...): the landing side READs them
+        from our arena)."""
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
         self._client_factory = client_factory
         self.timeout_s = timeout_s
         self._on_done = on_done
-        self._nixl = nixl_source      # transport nixl: the landing side READs from our arena
+        self.path = path
         # Benchmarks only: emulate a slower link; a group's bytes arrive when the link would have
         # carried them (jobs queue behind each other, like on a real wire).
         self._link_rate = link_bytes_per_s
@@ -160,17 +163,10 @@ class PushSender:
                     seal=job.end)
         try:
             with self.store.pinned_views(job.transfer_id, job.layers, unsealed=True) as pv:
-                if self._nixl is not None:
-                    offsets = np.concatenate([pv.offsets(layer)[first:last] for layer in job.layers]).tolist()
-                    msg = wire.Push(**head, data_path="nixl", offsets=offsets,
-                                    nixl_agent_meta=self._nixl.metadata, nixl_base_address=self._nixl.base_address)
-                    client.push(msg, (), deadline, progress=self._nixl.serve_until_readable)
-                else:
-                    views = [v for layer in job.layers for v in pv.run_views(layer, first, last)]
-                    client.push(wire.Push(**head, nbytes=nbytes), views, deadline)
+                self.path.send(client, head, pv, job.layers, first, last, nbytes, deadline)
         except StoreFullError:
-            # Staged straight to NVMe (DRAM was short): not in the arena, so send it inline from a
-            # bounce buffer read off the disk tier.
+            # Staged straight to NVMe (DRAM was short): not in the arena, so send it over tcp from
+            # a bounce buffer read off the disk tier.
             buf = np.empty((len(job.layers) * job.num_blocks, slot), dtype=np.uint8)
             for i, layer in enumerate(job.layers):
                 self.store.read_into(job.transfer_id, layer, first, buf[i * job.num_blocks:(i + 1) * job.num_blocks],

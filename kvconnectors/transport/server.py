@@ -2,26 +2,26 @@
 
 One thread per connection, blocking sockets: an idle server costs no CPU. Every request is
 validated before it touches the store; a bad request gets a typed error reply and the
-connection (and the server) keep serving.
+connection (and the server) keep serving. The data paths it offers (paths.py) move the bytes;
+peers of the previous protocol version are admitted too (wire.ACCEPTED_VERSIONS).
 """
 
 from __future__ import annotations
 
 import socket
 import threading
-
-import numpy as np
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.logs import get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import auth, wire
-from kvconnectors.transport.faults import FaultPlan, FaultRule, corrupted
+from kvconnectors.transport.faults import FaultPlan, FaultRule, with_fault
 from kvconnectors.transport.landing import ConnectionState, Landing
 from kvconnectors.transport.nixl import NixlSource
+from kvconnectors.transport.paths import PULL_UNOFFERED, SHM_PULL, TCP_PULL, NixlPull, PullPath, trailing_bytes
 
 logger = get_logger(__name__)
 MAX_RENEW = 4096  # transfer ids per Renew message
@@ -44,13 +44,17 @@ class StoreServer:
     """Serves `store` on (host, port); port 0 picks a free one (see `.port`)."""
 
     def __init__(self, store: TieredStore, host: str, port: int, *, fingerprint: str,
-                 num_layers: int, compat: str, secret: bytes | None = None,
+                 num_layers: int, compat: str | Mapping[int, str], secret: bytes | None = None,
                  idle_timeout_s: float = 300.0, seal_wait_s: float = 10.0,
                  staging_failure: Callable[[str], TransferError | None] | None = None,
                  faults: FaultPlan | None = None, max_connections: int = 256, nixl: bool = False,
-                 landing: Landing | None = None):
+                 landing: Landing | None = None, paths: Sequence[PullPath] | None = None):
+        """`compat`: the hash peers must present, or one per admitted protocol version
+        (wire.compat_hashes: peers of the previous version too). `paths`: the pull data paths
+        offered (default: tcp, shm when the store has an arena, nixl when `nixl`)."""
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
-        self.compat, self.secret = compat, secret
+        self.compat = dict(compat) if isinstance(compat, Mapping) else {wire.PROTOCOL_VERSION: compat}
+        self.secret = secret
         self.idle_timeout_s, self.seal_wait_s = idle_timeout_s, seal_wait_s
         self.staging_failure = staging_failure or (lambda tid: None)
         self.counters = ServerCounters()
@@ -61,18 +65,20 @@ class StoreServer:
         self._sealed = threading.Condition()
         self._conns: set[socket.socket] = set()
         self._closed = False
-        # nixl: one agent for the server's life, the whole arena registered once (TransferError if
-        # NIXL cannot start); consumers READ from it, this server only progresses it during reads.
-        self.nixl: NixlSource | None = (
-            NixlSource(store.arena_base_address, store.arena_bytes, tag=store.config.instance_name) if nixl else None)
+        if paths is None:
+            # nixl: one agent for the server's life, the whole arena registered once (TransferError if
+            # NIXL cannot start); consumers READ from it, this server only progresses it during reads.
+            paths = [TCP_PULL] + ([SHM_PULL] if store.shm_path is not None else []) + (
+                [NixlPull(source=NixlSource(store.arena_base_address, store.arena_bytes,
+                                            tag=store.config.instance_name))] if nixl else [])
+        self.paths: dict[str, PullPath] = {p.name: p for p in paths}
         self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._listener.bind((host, port))
         except OSError as exc:
             self._listener.close()
-            if self.nixl is not None:
-                self.nixl.close()
+            self._close_paths()
             raise OSError(exc.errno, f"kvconnectors store server cannot bind {host}:{port}: {exc.strerror}") from None
         self._listener.listen(128)
         self.host, self.port = self._listener.getsockname()[:2]
@@ -120,10 +126,19 @@ class StoreServer:
             except OSError:
                 pass
         self._thread.join(timeout=5)
-        if self.nixl is not None:
-            self.nixl.close()
+        self._close_paths()
         if self.landing is not None:
             self.landing.close()
+
+    def _close_paths(self) -> None:
+        for path in self.paths.values():
+            path.close()
+
+    @property
+    def nixl(self) -> NixlSource | None:
+        """The agent consumers READ this store's arena through (transport nixl), else None."""
+        path = self.paths.get(NixlPull.name)
+        return getattr(path, "source", None)
 
     @property
     def active_connections(self) -> int:
@@ -138,7 +153,8 @@ class StoreServer:
             self.counters.connections += 1
         conn = ConnectionState(_peer(sock))
         try:
-            if not self._handshake(sock):
+            version = self._handshake(sock)
+            if version is None:
                 return
             while True:
                 try:
@@ -148,7 +164,7 @@ class StoreServer:
                         self.counters.reject("protocol")
                         wire.send_refusal(sock, exc)
                     return  # peer closed, idle or sent garbage: drop the connection only
-                self._dispatch(sock, msg, conn)
+                self._dispatch(sock, msg, conn, version)
         except OSError:
             pass
         finally:
@@ -158,25 +174,25 @@ class StoreServer:
                 self._conns.discard(sock)
             sock.close()
 
-    def _handshake(self, sock: socket.socket) -> bool:
+    def _handshake(self, sock: socket.socket) -> int | None:
+        """The peer's protocol version once it is admitted; None when refused."""
         try:
             hello = wire.recv_msg(sock, deadline=time.monotonic() + 10)
         except TransferError:
             self.counters.reject("protocol")
-            return False
+            return None
         if not isinstance(hello, wire.Hello):
             self.counters.reject("protocol")
             wire.send_msg(sock, wire.Welcome(ok=False, error=f"expected Hello, got {type(hello).__name__}"))
-            return False
-        if hello.version != wire.PROTOCOL_VERSION or hello.compat_hash != self.compat:
+            return None
+        refused = wire.check_hello(hello, self.compat)
+        if refused:
             self.counters.reject("protocol")
-            wire.send_msg(sock, wire.Welcome(ok=False, error=(
-                f"incompatible peer: its protocol v{hello.version} compat {hello.compat_hash}, "
-                f"this server v{wire.PROTOCOL_VERSION} compat {self.compat}")))
-            return False
+            wire.send_msg(sock, wire.Welcome(ok=False, error=refused))
+            return None
         if self.secret is None:
             wire.send_msg(sock, wire.Welcome(ok=True))
-            return True
+            return hello.version
         nonce = auth.new_nonce()
         wire.send_msg(sock, wire.Welcome(ok=True, nonce=nonce))
         try:
@@ -189,17 +205,27 @@ class StoreServer:
             logger.warning("refused an unauthenticated peer %s", _peer(sock))
             wire.send_msg(sock, wire.Ack(ok=False, cause=FailureCause.AUTH.value,
                                          message="shared-secret authentication failed"))
-            return False
+            return None
         wire.send_msg(sock, wire.Ack(ok=True))
-        return True
+        return hello.version
 
-    def _dispatch(self, sock: socket.socket, msg: wire.Message, conn: ConnectionState) -> None:
+    def _dispatch(self, sock: socket.socket, msg: wire.Message, conn: ConnectionState,
+                  version: int = wire.PROTOCOL_VERSION) -> None:
         fault = self._fault(msg)
         if fault is not None and fault.action in ("drop", "disconnect"):
             if fault.action == "disconnect":
                 sock.shutdown(socket.SHUT_RDWR)
             return  # drop: never answer; the peer's deadline must catch it
         try:
+            try:
+                wire.check_since(msg, version)  # an older peer: only what its version had
+            except TransferError as exc:
+                if isinstance(msg, wire.Push) and trailing_bytes(msg):
+                    self.counters.reject(exc.cause.value)
+                    wire.send_refusal(sock, exc)
+                    sock.shutdown(socket.SHUT_RDWR)  # the pushed bytes are not read
+                    return
+                raise
             if isinstance(msg, wire.Read):
                 self._read(sock, msg, fault)
             elif isinstance(msg, wire.Renew):
@@ -212,7 +238,7 @@ class StoreServer:
                 self._locate(sock, msg)
             elif isinstance(msg, (wire.Push, wire.PushEnd)):
                 if self.landing is None:
-                    if isinstance(msg, wire.Push) and msg.data_path == "inline" and msg.nbytes:
+                    if isinstance(msg, wire.Push) and trailing_bytes(msg):
                         wire.send_refusal(sock, TransferError(FailureCause.PROTOCOL, (
                             "this store server does not accept pushes (start the consumer with "
                             "transfer_mode 'push')")))
@@ -243,7 +269,7 @@ class StoreServer:
         return fault
 
     # ------------------------------------------------------------------ requests
-    def _validate_read(self, msg: wire.Read) -> None:
+    def _validate_read(self, msg: wire.Read) -> PullPath:
         if not msg.transfer_id or len(msg.transfer_id) > 512:
             raise TransferError(FailureCause.PROTOCOL, f"bad transfer_id {msg.transfer_id[:64]!r}")
         if msg.fingerprint != self.fingerprint:
@@ -257,13 +283,12 @@ class StoreServer:
         if msg.first_block < 0 or msg.num_blocks < 1:
             raise TransferError(FailureCause.PROTOCOL,
                                 f"bad block range first_block={msg.first_block} num_blocks={msg.num_blocks}")
-        if msg.data_path not in ("inline", "shm", "nixl"):
-            raise TransferError(FailureCause.PROTOCOL, f"unknown data_path {msg.data_path!r}")
-        if msg.data_path == "shm" and self.store.shm_path is None:
-            raise TransferError(FailureCause.PROTOCOL, "data_path 'shm' asked, but this store has no shm arena")
-        if msg.data_path == "nixl" and self.nixl is None:
-            raise TransferError(FailureCause.PROTOCOL,
-                                "data_path 'nixl' asked, but this producer was not started with transport 'nixl'")
+        path = self.paths.get(msg.data_path)
+        if path is None:
+            why = PULL_UNOFFERED.get(msg.data_path)
+            raise TransferError(FailureCause.PROTOCOL, f"data_path {msg.data_path!r} asked, but {why}" if why
+                                else f"unknown data_path {msg.data_path!r}")
+        return path
 
     def _wait_sealed(self, tid: str) -> None:
         deadline = time.monotonic() + self.seal_wait_s
@@ -280,7 +305,7 @@ class StoreServer:
                 self._sealed.wait(left)
 
     def _read(self, sock: socket.socket, msg: wire.Read, fault: FaultRule | None = None) -> None:
-        self._validate_read(msg)
+        path = with_fault(self._validate_read(msg), fault)
         self._wait_sealed(msg.transfer_id)
         ttl = self.store.renew(msg.transfer_id)  # a consumer pulling keeps the lease alive
         info = self.store.info(msg.transfer_id)
@@ -291,92 +316,33 @@ class StoreServer:
         sums = (self.store.checksums(msg.transfer_id) or {}).get("xxh3")
         checksums = None if sums is None else [
             sums[layer * info.num_blocks + b] for layer in msg.layers for b in range(msg.first_block, last)]
-        if msg.data_path == "inline" and info.nvme_slots:
-            # Spilled: stream it from the tiers through a bounce buffer rather than promote the
-            # whole entry into DRAM first; it is read once and then released.
-            self._send_inline(sock, msg, ttl, checksums, fault, self._layers_from_tiers(msg))
-            return
-        with self.store.pinned_views(msg.transfer_id, msg.layers) as pv:
-            if msg.data_path in ("shm", "nixl"):
-                self._serve_offsets(sock, msg, pv, checksums, ttl)
-                return
-            # a few views of contiguous arena runs per layer, not one per block (cheaper to build)
-            layers = (pv.run_views(layer, msg.first_block, last) for layer in msg.layers)
-            self._send_inline(sock, msg, ttl, checksums, fault, layers)
+        path.serve(self, sock, msg, info.nvme_slots, ttl, checksums)
 
-    def _layers_from_tiers(self, msg: wire.Read):
-        slot = self.store.slot_bytes
-        buf = np.empty((msg.num_blocks, slot), dtype=np.uint8)
-        for layer in msg.layers:
-            self.store.read_into(msg.transfer_id, layer, msg.first_block, buf)
-            yield [memoryview(buf.reshape(-1))]  # sent before the next layer overwrites buf
-
-    def _send_inline(self, sock: socket.socket, msg: wire.Read, ttl: float, checksums: list[int] | None,
-                     fault: FaultRule | None, layers) -> None:
-        nbytes = len(msg.layers) * msg.num_blocks * self.store.slot_bytes
-        wire.send_msg(sock, wire.ReadReply(ok=True, nbytes=nbytes, checksums=checksums, lease_ttl_s=ttl))
-        action = fault.action if fault is not None else None
-        slot = self.store.slot_bytes
-        sent = 0
-        try:
-            for blocks in layers:
-                if action == "corrupt":  # per block, whatever runs the views span
-                    blocks = [memoryview(corrupted(b[i:i + slot])) for b in blocks for i in range(0, len(b), slot)]
-                elif action == "truncate" and sent + sum(len(b) for b in blocks) > nbytes // 2:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    return
-                send_all(sock, blocks)
-                sent += sum(len(b) for b in blocks)
-        except TransferError as exc:
-            # The OK reply is out and bytes may have followed: an error frame now would be read as
-            # KV bytes. Hang up instead; the consumer sees a short stream (peer_unreachable).
-            logger.warning("read of %s failed after %d of %d bytes: %s", msg.transfer_id, sent, nbytes, exc)
-            sock.shutdown(socket.SHUT_RDWR)
-            return
+    # ------------------------------------------------------------------ for the data paths
+    def count_read(self, nbytes: int) -> None:
         with self._lock:
             self.counters.bytes_sent += nbytes
             self.counters.reads += 1
 
-    def _serve_offsets(self, sock: socket.socket, msg: wire.Read, pv, checksums: list[int] | None,
-                       ttl: float) -> None:
-        """shm / nixl: reply with arena offsets (plus this agent's metadata for nixl); the consumer
-        copies or READs the blocks itself. The entry stays pinned (the caller's with-block) until it
-        answers Release (done) or Ack(ok=False) (its copy, READ or checksum check failed: the entry
-        stays for a retry). For nixl this thread progresses the agent meanwhile, which the READ's
-        target must do, and stops when the answer (or EOF) arrives."""
-        last = msg.first_block + msg.num_blocks
-        offsets = np.concatenate([pv.offsets(layer)[msg.first_block:last] for layer in msg.layers]).tolist()
-        nixl = self.nixl if msg.data_path == "nixl" else None
-        where = (dict(nixl_agent_meta=nixl.metadata, nixl_base_address=nixl.base_address) if nixl is not None
-                 else dict(shm_path=pv.shm_path or ""))
-        wire.send_msg(sock, wire.ReadReply(ok=True, checksums=checksums, offsets=offsets, lease_ttl_s=ttl, **where))
-        deadline = time.monotonic() + self.idle_timeout_s
-        try:
-            if nixl is not None:
-                nixl.serve_until_readable(sock, deadline)
-            done = wire.recv_msg(sock, deadline)
-        except TransferError as exc:
-            # The consumer vanished or stalled mid-read: the reply stream is out of step, so drop
-            # the connection (the with-block unpins; the lease decides the entry's fate).
-            self.counters.reject(exc.cause.value)
-            logger.info("%s read of %s by %s ended without a release: %s", msg.data_path, msg.transfer_id,
-                        _peer(sock), exc)
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            return
+    def log_failed_read(self, msg: wire.Read, sent: int, nbytes: int, exc: TransferError) -> None:
+        logger.warning("read of %s failed after %d of %d bytes: %s", msg.transfer_id, sent, nbytes, exc)
+
+    def log_unreleased(self, msg: wire.Read, path: str, sock: socket.socket, exc: TransferError) -> None:
+        logger.info("%s read of %s by %s ended without a release: %s", path, msg.transfer_id, _peer(sock), exc)
+
+    def finish_offset_read(self, sock: socket.socket, msg: wire.Read, path: str, done: wire.Message,
+                           nbytes: int) -> None:
+        """The consumer's answer to a read it fetched itself from offsets: Release (done: count it,
+        release the entry), Ack(ok=False) (its fetch failed: the entry stays for a retry), or
+        anything else, out of protocol while a read is open (dispatching it here would nest pins
+        without bound): drop the connection."""
         if isinstance(done, wire.Release):
-            with self._lock:
-                self.counters.bytes_sent += len(offsets) * pv.slot_bytes
-                self.counters.reads += 1
+            self.count_read(nbytes)
             self._release(sock, done)
         elif isinstance(done, wire.Ack) and not done.ok:
-            logger.info("consumer %s failed its %s read of %s: [%s] %s", _peer(sock), msg.data_path,
+            logger.info("consumer %s failed its %s read of %s: [%s] %s", _peer(sock), path,
                         msg.transfer_id, done.cause, done.message)
         elif not isinstance(done, wire.Ack):
-            # Anything else while a read is open is out of protocol; dispatching it here would
-            # nest pins without bound. Drop the connection.
             self.counters.reject("protocol")
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -416,21 +382,6 @@ class StoreServer:
     def _release(self, sock: socket.socket, msg: wire.Release) -> None:
         self.store.release(msg.transfer_id)  # no-op for an entry that already ended
         wire.send_msg(sock, wire.Ack(ok=True))
-
-
-def send_all(sock: socket.socket, views: list[memoryview], batch: int = 512) -> None:
-    """Gather-send many buffers with few syscalls (sendmsg), resuming after partial sends."""
-    i = 0
-    while i < len(views):
-        chunk = views[i:i + batch]
-        sent = sock.sendmsg(chunk)
-        for v in chunk:  # advance past fully sent views; trim a partially sent one
-            if sent >= len(v):
-                sent -= len(v)
-                i += 1
-            else:
-                views[i] = v[sent:]
-                break
 
 
 def _peer(sock: socket.socket) -> str:

@@ -17,6 +17,12 @@ Version history:
       that carries seal=True (one round trip less on the critical path). Push data_path
       "inline" sends the bytes after the frame; "nixl" names arena offsets the landing side READs.
       Locate/LocateReply: which tier holds an entry's slots (vLLM's cache-hit source, host/disk).
+
+Rolling upgrades: a server accepts peers of the previous version too (ACCEPTED_VERSIONS), for one
+release, so prefill and decode pools can be upgraded one at a time. Messages both versions share
+encode the same way (fields added since have defaults, unknown fields are ignored), so such a peer
+is spoken to unchanged; a message it could not have sent (SINCE) is refused with both versions
+named. Anything older is refused at the handshake, naming both sides.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import msgspec
 from kvconnectors.errors import FailureCause, TransferError
 
 PROTOCOL_VERSION = 3
+ACCEPTED_VERSIONS = (PROTOCOL_VERSION - 1, PROTOCOL_VERSION)  # the previous one for one release
 MAX_CONTROL_BYTES = 1 << 20  # a control frame is metadata only; data never travels in frames
 _LEN = struct.Struct("!I")
 
@@ -149,16 +156,51 @@ class LocateReply(msgspec.Struct, tag=True):
 
 Message = Union[Hello, Welcome, Proof, Read, ReadReply, Renew, RenewReply, Release, Ack, Status, StatusReply,
                 Push, PushEnd, Locate, LocateReply]
+# The version that introduced each message younger than ACCEPTED_VERSIONS[0] (the rest exist in both).
+SINCE: dict[type, int] = {Push: 3, PushEnd: 3, Locate: 3, LocateReply: 3}
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def compat_hash(*parts: str) -> str:
+def compat_hash(*parts: str, version: int = PROTOCOL_VERSION) -> str:
     """Hash of what both sides must agree on (protocol version plus caller-given parts)."""
-    h = hashlib.sha256(f"kvconnectors-wire-v{PROTOCOL_VERSION}".encode())
+    h = hashlib.sha256(f"kvconnectors-wire-v{version}".encode())
     for p in parts:
         h.update(b"\0" + p.encode())
     return h.hexdigest()[:16]
+
+
+def compat_hashes(*parts: str) -> dict[int, str]:
+    """What a peer of each accepted version presents in its Hello, for a server to admit it."""
+    return {v: compat_hash(*parts, version=v) for v in ACCEPTED_VERSIONS}
+
+
+def check_hello(hello: Hello, compat: dict[int, str]) -> str:
+    """Why this server refuses the peer's Hello ("" when it admits it). `compat`: the hash a peer of
+    each version this server admits must present."""
+    if compat.get(hello.version) == hello.compat_hash:
+        return ""
+    ours = max(compat)
+    versions = ", ".join(f"v{v}" for v in sorted(compat))
+    return (f"incompatible peer: its protocol v{hello.version} compat {hello.compat_hash}, "
+            f"this server v{ours} compat {compat[ours]} (admits {versions})")
+
+
+def check_since(msg: Message, version: int) -> None:
+    """Refuse a message the peer's protocol version did not have (a typed protocol error)."""
+    since = SINCE.get(type(msg), 0)
+    if since > version:
+        raise TransferError(FailureCause.PROTOCOL, (
+            f"{type(msg).__name__} needs protocol v{since}; this connection speaks v{version} "
+            f"(the server speaks v{PROTOCOL_VERSION})"))
+
+
+def failure_cause(name: str) -> FailureCause:
+    """A peer's cause string; one this version does not know (a newer peer) reads as protocol."""
+    try:
+        return FailureCause(name or "protocol")
+    except ValueError:
+        return FailureCause.PROTOCOL
 
 
 def send_msg(sock: socket.socket, msg: Message) -> None:
@@ -175,6 +217,21 @@ def send_refusal(sock: socket.socket, exc: TransferError, read: bool = False) ->
         send_msg(sock, reply)
     except OSError:
         pass
+
+
+def send_all(sock: socket.socket, views: list[memoryview], batch: int = 512) -> None:
+    """Gather-send many buffers with few syscalls (sendmsg), resuming after partial sends."""
+    i = 0
+    while i < len(views):
+        chunk = views[i:i + batch]
+        sent = sock.sendmsg(chunk)
+        for v in chunk:  # advance past fully sent views; trim a partially sent one
+            if sent >= len(v):
+                sent -= len(v)
+                i += 1
+            else:
+                views[i] = v[sent:]
+                break
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:

@@ -17,6 +17,7 @@ from kvconnectors.transport.client import StoreClient, store_status
 from kvconnectors.transport.faults import FaultPlan
 from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.nixl import nixl_import_error
+from kvconnectors.transport.paths import TCP_PUSH, NixlPush
 from kvconnectors.transport.push import PushJob, PushSender, parse_target
 from kvconnectors.transport.server import StoreServer
 
@@ -35,19 +36,20 @@ class Pair:
         self.src_server = StoreServer(self.src, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT,
                                       nixl=nixl)
         self.dst = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=landing_dram_slots * SLOT, lease_ttl_s=ttl))
-        sink = None
+        paths = [TCP_PUSH]
         if nixl:
             from kvconnectors.transport.nixl import NixlSink
 
-            sink = lambda: NixlSink(tag="landing-test")  # noqa: E731
-        self.landing = Landing(self.dst, fingerprint=landing_fp, num_layers=LAYERS, nixl_sink_factory=sink)
+            paths.append(NixlPush(sink_factory=lambda: NixlSink(tag="landing-test")))
+        self.landing = Landing(self.dst, fingerprint=landing_fp, num_layers=LAYERS, paths=paths)
         self.dst_server = StoreServer(self.dst, "127.0.0.1", 0, fingerprint=landing_fp, num_layers=LAYERS,
                                       compat=COMPAT, landing=self.landing, faults=faults)
         self.done: dict[str, TransferError | None] = {}
         self.done_event = threading.Event()
         self.sender = PushSender(self.src, fingerprint=FP, num_layers=LAYERS, timeout_s=5,
                                  client_factory=lambda h, p: StoreClient(h, p, compat=COMPAT, connect_timeout_s=2),
-                                 on_done=self._on_done, nixl_source=self.src_server.nixl)
+                                 on_done=self._on_done,
+                                 path=NixlPush(source=self.src_server.nixl) if nixl else TCP_PUSH)
         self.target = ("127.0.0.1", self.dst_server.port)
 
     def _on_done(self, tid: str, err: TransferError | None) -> None:
@@ -365,7 +367,7 @@ def test_a_stalled_nixl_producer_holds_the_landing_side_for_a_bounded_time() -> 
     """The landing side READs nixl pushes through one bounce buffer: a producer that stops answering
     must not hold it for a minute. Each READ's deadline follows its size (a floor of a few seconds),
     and the READ that runs out fails that transfer alone."""
-    from kvconnectors.transport import landing as landing_mod
+    from kvconnectors.transport import paths as landing_mod  # the nixl landing path's READ bounds
     from kvconnectors.transport.landing import ConnectionState
 
     deadlines: list[float] = []
@@ -382,7 +384,7 @@ def test_a_stalled_nixl_producer_holds_the_landing_side_for_a_bounded_time() -> 
             pass
 
     store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=64 * SLOT, lease_ttl_s=30))
-    landing = Landing(store, fingerprint=FP, num_layers=LAYERS, nixl_sink_factory=StalledSink)
+    landing = Landing(store, fingerprint=FP, num_layers=LAYERS, paths=[TCP_PUSH, NixlPush(sink_factory=StalledSink)])
     try:
         msg = wire.Push(transfer_id="stalled", num_layers=LAYERS, total_blocks=BLOCKS, fingerprint=FP, layers=[0, 1],
                         first_block=0, num_blocks=BLOCKS, data_path="nixl", offsets=list(range(2 * BLOCKS)),
@@ -390,7 +392,8 @@ def test_a_stalled_nixl_producer_holds_the_landing_side_for_a_bounded_time() -> 
         conn = ConnectionState("producer")
         landing._ensure_entry(msg, conn)
         with pytest.raises(TransferError) as exc:
-            landing._land_nixl(msg, conn)
+            with landing.paths["nixl"].receive(landing, None, msg, conn):
+                pass
         assert exc.value.cause is FailureCause.TIMEOUT
         (left,) = deadlines
         assert landing_mod.NIXL_READ_FLOOR_S - 1 < left <= landing_mod.NIXL_READ_FLOOR_S + 0.01  # 48 KiB: the floor

@@ -16,6 +16,7 @@ from kvconnectors.testing import cpu
 from kvconnectors.transport import auth, wire
 from kvconnectors.transport.client import StoreClient, store_status
 from kvconnectors.transport.faults import FaultPlan
+from kvconnectors.transport.paths import SHM_PULL, TCP_PULL
 from kvconnectors.transport.server import StoreServer
 
 SLOT = 4096
@@ -40,7 +41,7 @@ def server(request, tmp_path):
     shm = f"kvc_test_{request.param}_{time.monotonic_ns() % 10**9}" if request.param == "shm" else None
     store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=64 * SLOT, shm_name=shm, lease_ttl_s=30))
     srv = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT)
-    srv.data_path = request.param
+    srv.data_path = {"inline": TCP_PULL, "shm": SHM_PULL}[request.param]
     yield srv
     srv.close()
     store.close()
@@ -57,8 +58,8 @@ def test_read_is_byte_exact_and_release_empties_the_store(server) -> None:
     cache, dest = dest_views(BLOCKS)
     with StoreClient("127.0.0.1", server.port, compat=COMPAT) as c:
         n = c.read("t1", range(LAYERS), 0, dest, fingerprint=FP, deadline=time.monotonic() + 5,
-                   data_path=server.data_path)
-        if server.data_path == "inline":
+                   path=server.data_path)
+        if server.data_path.streams:  # inline: released by the caller
             c.release("t1", time.monotonic() + 5)
     assert n == LAYERS * BLOCKS * SLOT
     for l in range(LAYERS):
@@ -72,7 +73,7 @@ def test_partial_block_range(server) -> None:
     cache, dest = dest_views(3)
     with StoreClient("127.0.0.1", server.port, compat=COMPAT) as c:
         c.read("t2", range(LAYERS), 2, dest, fingerprint=FP, deadline=time.monotonic() + 5,
-               data_path=server.data_path)
+               path=server.data_path)
     assert np.array_equal(cache[1, [9, 2, 14]], data[1, 2:5])
 
 
@@ -88,7 +89,7 @@ def test_bad_reads_get_typed_errors_and_the_connection_keeps_serving(server, tid
             c.read(tid, range(LAYERS), 0, dest, fingerprint=fp, deadline=time.monotonic() + 5)
         assert err.value.cause is cause, err.value
         c.read("t3", range(LAYERS), 0, dest, fingerprint=FP, deadline=time.monotonic() + 5,
-               data_path=server.data_path)  # same connection, still serving
+               path=server.data_path)  # same connection, still serving
     assert np.array_equal(cache[0, [9, 2, 14, 5, 11]], data[0])
     assert server.counters.rejected[cause.value] == 1
 

@@ -24,6 +24,7 @@ from kvconnectors.errors import ConfigError, FailureCause, TransferError  # noqa
 from kvconnectors.transport import nixl as nx  # noqa: E402
 from kvconnectors.transport import wire  # noqa: E402
 from kvconnectors.transport.client import StoreClient  # noqa: E402
+from kvconnectors.transport.paths import NixlPull  # noqa: E402
 
 _MISSING = nx.nixl_import_error()
 needs_nixl = pytest.mark.skipif(_MISSING is not None,
@@ -127,7 +128,7 @@ def _dest(cache: np.ndarray) -> list[memoryview]:
 
 def _read(client: StoreClient, tid: str, sink, cache, timeout: float = 10.0) -> int:
     return client.read(tid, range(LAYERS), 0, _dest(cache), fingerprint=FP, deadline=time.monotonic() + timeout,
-                       data_path="nixl", nixl=sink)
+                       path=NixlPull(sink=sink))
 
 
 def _assert_landed(cache: np.ndarray, data: np.ndarray) -> None:

@@ -1,0 +1,496 @@
+"""Data paths: how a transfer's bytes travel, one class per path, both ends of it in that class.
+
+Pulls (a consumer reads a staged transfer, `PullPath`):
+  TcpPull  "inline" - the bytes follow the ReadReply on the control socket
+  ShmPull  "shm"    - the consumer copies them out of the producer's /dev/shm arena (same host)
+  NixlPull "nixl"   - the consumer READs them through NIXL (UCX) from the producer's registered arena
+Pushes (a producer streams layer groups into a landing store, `PushPath`):
+  TcpPush  "inline" - the bytes follow the Push frame
+  NixlPush "nixl"   - the landing side READs them through NIXL from the sender's arena
+
+`name` is the path's wire data_path, `label` the metric label of the bytes it carried, `streams`
+whether those bytes travel on the control socket (then the connection is out of step while they are
+partly sent, and fault injection can corrupt or cut them) rather than being fetched by the peer from
+an arena the frame names by offsets. The control protocol (client.py, server.py, landing.py) asks the
+path object for everything that differs, so adding or mocking a path is one class here.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol
+
+import numpy as np
+import xxhash
+
+from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.transport import wire
+
+if TYPE_CHECKING:
+    from kvconnectors.transport.client import StoreClient
+    from kvconnectors.transport.landing import ConnectionState, Landing
+    from kvconnectors.transport.nixl import NixlSink, NixlSource
+    from kvconnectors.transport.server import StoreServer
+
+IOV_MAX = 1024  # Linux's limit on buffers per recvmsg
+NIXL_BOUNCE_BYTES = 64 << 20       # landing side: registered once; larger pushes are READ in pieces
+# A NIXL READ holds the landing side's one bounce buffer, so a stalled producer blocks every other
+# producer's nixl pushes into this store: bound each READ by its size at a rate far below any link's.
+NIXL_READ_FLOOR_S = 5.0
+NIXL_READ_MIN_BYTES_PER_S = 50e6
+
+# Blocks streamed layer group by layer group; a filter may change or cut them on the way (faults.py).
+Outgoing = Callable[[Iterable[list[memoryview]], int, int], Iterator[list[memoryview]]]
+
+
+class HungUp(Exception):
+    """The connection must end now: its stream broke (`error`: what to record for the transfer)
+    or a fault cut it on purpose (error None). Whoever holds the socket hangs up."""
+
+    def __init__(self, error: TransferError | None = None):
+        super().__init__(str(error) if error else "hung up")
+        self.error = error
+
+
+class PullPath(Protocol):
+    name: str
+    label: str
+    streams: bool
+
+    def read_into(self, sock: socket.socket, peer: str, read: wire.Read, reply: wire.ReadReply,
+                  dest: Sequence[memoryview], *, deadline: float, sums: list[int] | None,
+                  dest_addrs: np.ndarray | None = None) -> int:
+        """Consumer: land the blocks `reply` offers into `dest` (layer-major), verify `sums` if
+        given; bytes received. The client answers Release afterwards unless the path streams."""
+
+    def serve(self, server: "StoreServer", sock: socket.socket, read: wire.Read, nvme_slots: int, ttl: float,
+              checksums: list[int] | None, outgoing: Outgoing | None = None) -> None:
+        """Producer: answer a validated, sealed Read with a ReadReply and the blocks (or where to find them)."""
+
+    def close(self) -> None:
+        """Release what the path holds (a NIXL agent)."""
+
+
+class PushPath(Protocol):
+    name: str
+    label: str
+    streams: bool
+
+    def send(self, client: "StoreClient", head: dict[str, Any], pv: Any, layers: list[int], first: int,
+             last: int, nbytes: int, deadline: float) -> None:
+        """Sender: push blocks [first, last) of `layers` (pinned in `pv`) and wait for the Ack."""
+
+    def check(self, landing: "Landing", push: wire.Push, rows: int) -> None:
+        """Landing side: raise a TransferError if this push cannot land over this path."""
+
+    def receive(self, landing: "Landing", sock: socket.socket, push: wire.Push,
+                conn: "ConnectionState") -> ContextManager[np.ndarray]:
+        """Landing side: the group's bytes, (rows, slot) uint8, valid inside the with-block."""
+
+    def close(self) -> None:
+        """Release what the path holds (a NIXL agent)."""
+
+
+# Offered by name: why a server that does not offer a known path refuses it.
+PULL_UNOFFERED = {"shm": "this store has no shm arena",
+                  "nixl": "this producer was not started with transport 'nixl'"}
+PUSH_UNOFFERED = {"nixl": "sent to a consumer that was not started with transport 'nixl'"}
+
+
+def trailing_bytes(push: wire.Push) -> int:
+    """Bytes that follow this Push frame on the socket (to read or drain before the next frame)."""
+    return push.nbytes if push.data_path == TcpPush.name else 0
+
+
+def hang_up(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def block_checksum(view) -> int:
+    return xxhash.xxh3_64_intdigest(view)
+
+
+def verify_checksums(expected: Sequence[int], dest: Sequence[memoryview], transfer_id: str, *,
+                     first: int = 0, of: int | None = None) -> None:
+    """`dest` are blocks first.. of a transfer of `of` blocks (default: just these)."""
+    for i, (want, view) in enumerate(zip(expected, dest), first):
+        got = block_checksum(view)
+        if got != want:
+            raise TransferError(FailureCause.CHECKSUM_MISMATCH, (
+                f"transfer {transfer_id!r}: block {i} of {of or len(dest)} has checksum {got:016x}, "
+                f"producer staged {want:016x}"))
+
+
+# ====================================================================== pull: tcp
+class TcpPull:
+    """The bytes follow the ReadReply on the control socket, layer-major, block order."""
+    name, label, streams = "inline", "tcp", True
+
+    def read_into(self, sock, peer, read, reply, dest, *, deadline, sums, dest_addrs=None) -> int:
+        slot = len(dest[0])
+        if reply.nbytes != slot * len(dest):
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, (
+                f"producer {peer} offers {reply.nbytes} bytes, expected {slot * len(dest)}"))
+        _recv_scattered(sock, read.transfer_id, dest, read.num_blocks, deadline, sums)
+        return reply.nbytes
+
+    def serve(self, server, sock, read, nvme_slots, ttl, checksums, outgoing=None) -> None:
+        store = server.store
+        if nvme_slots:
+            # Spilled: stream it from the tiers through a bounce buffer rather than promote the
+            # whole entry into DRAM first; it is read once and then released.
+            self._send(server, sock, read, ttl, checksums, outgoing, _layers_from_tiers(store, read))
+            return
+        last = read.first_block + read.num_blocks
+        with store.pinned_views(read.transfer_id, read.layers) as pv:
+            # a few views of contiguous arena runs per layer, not one per block (cheaper to build)
+            layers = (pv.run_views(layer, read.first_block, last) for layer in read.layers)
+            self._send(server, sock, read, ttl, checksums, outgoing, layers)
+
+    @staticmethod
+    def _send(server, sock, read, ttl, checksums, outgoing, layers) -> None:
+        slot = server.store.slot_bytes
+        nbytes = len(read.layers) * read.num_blocks * slot
+        wire.send_msg(sock, wire.ReadReply(ok=True, nbytes=nbytes, checksums=checksums, lease_ttl_s=ttl))
+        sent = 0
+        try:
+            for blocks in (outgoing(layers, nbytes, slot) if outgoing else layers):
+                wire.send_all(sock, blocks)
+                sent += sum(len(b) for b in blocks)
+        except HungUp:
+            hang_up(sock)
+            return
+        except TransferError as exc:
+            # The OK reply is out and bytes may have followed: an error frame now would be read as
+            # KV bytes. Hang up instead; the consumer sees a short stream (peer_unreachable).
+            server.log_failed_read(read, sent, nbytes, exc)
+            hang_up(sock)
+            return
+        server.count_read(nbytes)
+
+    def close(self) -> None:
+        pass
+
+
+def _layers_from_tiers(store, read: wire.Read) -> Iterator[list[memoryview]]:
+    buf = np.empty((read.num_blocks, store.slot_bytes), dtype=np.uint8)
+    for layer in read.layers:
+        store.read_into(read.transfer_id, layer, read.first_block, buf)
+        yield [memoryview(buf.reshape(-1))]  # sent before the next layer overwrites buf
+
+
+def _recv_scattered(sock: socket.socket, transfer_id: str, dest: Sequence[memoryview], per_layer: int,
+                    deadline: float, sums: list[int] | None) -> None:
+    """Receive the blocks straight into `dest`, one recvmsg_into per layer (partial receives
+    resume where they stopped), and verify each layer's checksums as soon as it has landed.
+
+    Few large reads instead of one per block: every socket call gives up the GIL, and taking it
+    back behind a busy engine thread costs up to a switch interval (5 ms) each time.
+    """
+    total, got = len(dest[0]) * len(dest), 0
+    for start in range(0, len(dest), per_layer):
+        layer = dest[start:start + per_layer]
+        for i in range(0, len(layer), IOV_MAX):
+            got = _recv_views(sock, list(layer[i:i + IOV_MAX]), deadline, got, total)
+        if sums is not None:
+            verify_checksums(sums[start:start + per_layer], layer, transfer_id, first=start, of=len(dest))
+
+
+def _recv_views(sock: socket.socket, views: list[memoryview], deadline: float, got: int, total: int) -> int:
+    """Fill `views` (at most IOV_MAX) from the socket with recvmsg_into; `got` of `total` bytes of
+    the whole read arrived before (for the messages). Same deadline semantics as wire.recv_exact:
+    the deadline bounds the whole read. Returns the new `got`."""
+    i = 0
+    while i < len(views):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError(FailureCause.TIMEOUT, f"peer sent {got} of {total} bytes before the deadline")
+        sock.settimeout(left)
+        try:
+            k = sock.recvmsg_into(views[i:])[0]
+        except socket.timeout:
+            raise TransferError(FailureCause.TIMEOUT, f"peer sent {got} of {total} bytes before the deadline") from None
+        except OSError as exc:
+            raise TransferError(FailureCause.PEER_UNREACHABLE,
+                                f"connection lost after {got} of {total} bytes: {exc}") from None
+        if k == 0:
+            raise TransferError(FailureCause.PEER_UNREACHABLE,
+                                f"peer closed the connection after {got} of {total} bytes")
+        got += k
+        while k:  # skip the views filled; trim a partly filled one
+            n = len(views[i])
+            if k < n:
+                views[i] = views[i][k:]
+                break
+            k -= n
+            i += 1
+    return got
+
+
+# ====================================================================== pull: arena offsets (shm, nixl)
+class _ArenaPull:
+    """The reply names arena offsets; the consumer fetches the blocks itself, then answers
+    Release (done) or Ack(ok=False) (its fetch or checksum check failed: the entry stays for a
+    retry). The entry stays pinned until that answer."""
+    streams = False
+    name = label = ""
+
+    def reply_fields(self, pv) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def progress(self, sock: socket.socket, deadline: float) -> None:
+        """Serve whatever the consumer's fetch needs from this side until `sock` is readable."""
+
+    def close(self) -> None:
+        pass
+
+    def serve(self, server, sock, read, nvme_slots, ttl, checksums, outgoing=None) -> None:
+        last = read.first_block + read.num_blocks
+        with server.store.pinned_views(read.transfer_id, read.layers) as pv:
+            offsets = np.concatenate([pv.offsets(layer)[read.first_block:last] for layer in read.layers]).tolist()
+            wire.send_msg(sock, wire.ReadReply(ok=True, checksums=checksums, offsets=offsets, lease_ttl_s=ttl,
+                                               **self.reply_fields(pv)))
+            deadline = time.monotonic() + server.idle_timeout_s
+            try:
+                self.progress(sock, deadline)
+                done = wire.recv_msg(sock, deadline)
+            except TransferError as exc:
+                # The consumer vanished or stalled mid-read: the reply stream is out of step, so drop
+                # the connection (the with-block unpins; the lease decides the entry's fate).
+                server.counters.reject(exc.cause.value)
+                server.log_unreleased(read, self.name, sock, exc)
+                hang_up(sock)
+                return
+            server.finish_offset_read(sock, read, self.name, done, len(offsets) * pv.slot_bytes)
+
+
+class ShmPull(_ArenaPull):
+    """One copy per block out of the producer's /dev/shm arena (same host)."""
+    name = label = "shm"
+
+    def reply_fields(self, pv) -> dict[str, Any]:
+        return {"shm_path": pv.shm_path or ""}
+
+    def read_into(self, sock, peer, read, reply, dest, *, deadline, sums, dest_addrs=None) -> int:
+        """One copy per block out of the producer's arena (mapped once per arena, see _shm_arena),
+        each block hashed right after its copy, while it is still in cache."""
+        if not reply.offsets or len(reply.offsets) != len(dest):
+            raise TransferError(FailureCause.PROTOCOL, "shm reply without one offset per block")
+        arena = _shm_arena(reply.shm_path)
+        size, slot = len(arena), len(dest[0])
+        for i, (off, view) in enumerate(zip(reply.offsets, dest)):
+            if not 0 <= off <= size - slot:
+                raise TransferError(FailureCause.PROTOCOL, f"shm offset {off} outside the arena")
+            if view.format != "B":
+                view = view.cast("B")
+            view[:] = arena[off:off + slot]
+            if sums is not None and block_checksum(view) != sums[i]:
+                verify_checksums(sums[i:i + 1], [view], read.transfer_id, first=i, of=len(dest))
+        return slot * len(dest)
+
+
+class NixlPull(_ArenaPull):
+    """The consumer READs the blocks through NIXL. A consumer passes its agent (`sink`, whose
+    registered memory holds every destination view), a producer its arena's (`source`)."""
+    name = label = "nixl"
+
+    def __init__(self, *, sink: "NixlSink | None" = None, source: "NixlSource | None" = None):
+        self.sink, self.source = sink, source
+
+    def reply_fields(self, pv) -> dict[str, Any]:
+        assert self.source is not None, "a nixl producer path needs its NixlSource"
+        return {"nixl_agent_meta": self.source.metadata, "nixl_base_address": self.source.base_address}
+
+    def progress(self, sock: socket.socket, deadline: float) -> None:
+        # the READ's target must progress its agent: until the consumer's answer (or EOF) arrives
+        assert self.source is not None
+        self.source.serve_until_readable(sock, deadline)
+
+    def read_into(self, sock, peer, read, reply, dest, *, deadline, sums, dest_addrs=None) -> int:
+        if self.sink is None:
+            raise TransferError(FailureCause.PROTOCOL, "data_path 'nixl' needs the consumer's NIXL agent "
+                                                       "(NixlPull(sink=...))")
+        if not reply.offsets or len(reply.offsets) != len(dest):
+            raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {peer} without one offset per block")
+        if not reply.nixl_agent_meta or reply.nixl_base_address <= 0:
+            raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {peer} without agent metadata")
+        nbytes = self.sink.read_blocks(peer, reply.nixl_agent_meta, reply.nixl_base_address, reply.offsets,
+                                       dest, deadline, local_addrs=dest_addrs)
+        if sums is not None:  # after the READ: NIXL hands over the bytes only once it is DONE
+            verify_checksums(sums, dest, read.transfer_id)
+        return nbytes
+
+    def close(self) -> None:
+        for agent in (self.sink, self.source):
+            if agent is not None:
+                agent.close()
+        self.sink = self.source = None
+
+
+TCP_PULL, SHM_PULL = TcpPull(), ShmPull()
+
+
+# ====================================================================== push: tcp
+class TcpPush:
+    """The group's bytes follow the Push frame, layer-major."""
+    name, label, streams = "inline", "push_tcp", True
+
+    def send(self, client, head, pv, layers, first, last, nbytes, deadline) -> None:
+        views = [v for layer in layers for v in pv.run_views(layer, first, last)]
+        client.push(wire.Push(**head, nbytes=nbytes), views, deadline)
+
+    def check(self, landing, push, rows) -> None:
+        if push.nbytes != rows * landing.store.slot_bytes:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, (
+                f"push of {push.nbytes} bytes for {rows} blocks of {landing.store.slot_bytes} B"))
+
+    @contextmanager
+    def receive(self, landing, sock, push, conn) -> Iterator[np.ndarray]:
+        slot = landing.store.slot_bytes
+        rows = len(push.layers) * push.num_blocks
+        buf = conn.bounce(rows * slot).reshape(rows, slot)
+        try:
+            wire.recv_exact(sock, memoryview(buf.reshape(-1)), time.monotonic() + 60)
+        except TransferError as exc:  # the stream itself broke
+            raise HungUp(exc) from None
+        yield buf
+
+    def close(self) -> None:
+        pass
+
+
+# ====================================================================== push: nixl
+class NixlPush:
+    """The landing side READs the group from the sender's arena. The sender passes its arena's
+    agent (`source`); the landing side a factory for its agent (`sink_factory`), made at the first
+    nixl push with one bounce buffer registered for its life."""
+    name, label, streams = "nixl", "push_nixl", False
+
+    def __init__(self, *, source: "NixlSource | None" = None, sink_factory: Callable[[], Any] | None = None):
+        self.source, self._sink_factory = source, sink_factory
+        self._sink: Any = None
+        self._bounce: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def send(self, client, head, pv, layers, first, last, nbytes, deadline) -> None:
+        assert self.source is not None, "a nixl push sender needs its NixlSource"
+        offsets = np.concatenate([pv.offsets(layer)[first:last] for layer in layers]).tolist()
+        msg = wire.Push(**head, data_path=self.name, offsets=offsets, nixl_agent_meta=self.source.metadata,
+                        nixl_base_address=self.source.base_address)
+        client.push(msg, (), deadline, progress=self.source.serve_until_readable)
+
+    def check(self, landing, push, rows) -> None:
+        if self._sink_factory is None:
+            raise TransferError(FailureCause.PROTOCOL, f"push data_path 'nixl' {PUSH_UNOFFERED['nixl']}")
+        if not push.offsets or len(push.offsets) != rows or push.nixl_base_address <= 0:
+            raise TransferError(FailureCause.PROTOCOL, "nixl push without one offset per block")
+
+    @contextmanager
+    def receive(self, landing, sock, push, conn) -> Iterator[np.ndarray]:
+        """READ the blocks into the one registered bounce buffer (in pieces when larger; then
+        gathered into a plain buffer): one registration for the landing store's life."""
+        slot = landing.store.slot_bytes
+        offsets = np.asarray(push.offsets, dtype=np.uint64)
+        meta = push.nixl_agent_meta or b""
+        # keyed by the producer agent, not the connection: a reconnect reuses the loaded agent
+        key = f"push-{xxhash.xxh3_64_hexdigest(meta)}"
+        with self._lock:
+            sink, bounce = self._agent()
+            piece = max(1, bounce.size // slot)
+            rows = len(offsets)
+            out = np.empty((rows, slot), dtype=np.uint8) if rows > piece else None
+            for start in range(0, rows, piece):
+                n = min(piece, rows - start)
+                dst = bounce[:n * slot].reshape(n, slot)
+                local = np.uint64(bounce.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(slot)
+                sink.read(key, meta, np.uint64(push.nixl_base_address) + offsets[start:start + n], local, slot,
+                          read_deadline(n * slot))
+                if out is None:
+                    yield dst  # landed while the bounce buffer is still ours
+                    return
+                out[start:start + n] = dst
+        yield out
+
+    def _agent(self) -> tuple[Any, np.ndarray]:
+        if self._sink is None:
+            assert self._sink_factory is not None
+            sink = self._sink_factory()
+            bounce = np.empty((NIXL_BOUNCE_BYTES,), dtype=np.uint8)
+            sink.register_regions([(int(bounce.ctypes.data), bounce.nbytes)])
+            self._sink, self._bounce = sink, bounce
+        assert self._bounce is not None
+        return self._sink, self._bounce
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
+
+
+TCP_PUSH = TcpPush()
+
+
+def read_deadline(nbytes: int) -> float:
+    """When a NIXL READ of `nbytes` into the landing bounce buffer must have finished."""
+    return time.monotonic() + min(60.0, NIXL_READ_FLOOR_S + nbytes / NIXL_READ_MIN_BYTES_PER_S)
+
+
+# ====================================================================== shm arena mappings (consumer)
+# Read-only mappings of producers' shm arenas, kept across pulls: mapping (and faulting in) a
+# 256 MiB arena costs tens of ms per pull. path -> ((dev, inode, size), memoryview of the mapping)
+_SHM_MAX_ARENAS = 8
+_shm_arenas: OrderedDict[str, tuple[tuple[int, int, int], memoryview]] = OrderedDict()
+_shm_lock = threading.Lock()
+
+
+def _shm_arena(path: str) -> memoryview:
+    """The mapping of the arena at `path`, made once (MAP_POPULATE: no page fault per pull) and made
+    again when the file changed (a restarted producer). Mappings of arenas that are gone are dropped
+    (a mapping would keep an unlinked arena's memory alive), and the least recently used beyond
+    _SHM_MAX_ARENAS. Dropped mappings are unmapped once no pull still copies from them."""
+    with _shm_lock:
+        for other in list(_shm_arenas):
+            if other != path and _file_id(other) != _shm_arenas[other][0]:
+                del _shm_arenas[other]
+        ident = _file_id(path)
+        cached = _shm_arenas.get(path)
+        if cached is not None and cached[0] == ident:
+            _shm_arenas.move_to_end(path)
+            return cached[1]
+        _shm_arenas.pop(path, None)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise TransferError(FailureCause.PEER_UNREACHABLE,
+                                f"cannot open the producer's shm arena {path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)  # the file we opened, which may differ from the one stat'ed above
+            arena = memoryview(mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                         prot=mmap.PROT_READ))
+        except (OSError, ValueError) as exc:  # ValueError: an empty file
+            raise TransferError(FailureCause.PEER_UNREACHABLE,
+                                f"cannot map the producer's shm arena {path}: {exc}") from None
+        finally:
+            os.close(fd)
+        _shm_arenas[path] = ((st.st_dev, st.st_ino, st.st_size), arena)
+        while len(_shm_arenas) > _SHM_MAX_ARENAS:
+            _shm_arenas.popitem(last=False)
+        return arena
+
+
+def _file_id(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size

@@ -1,0 +1,103 @@
+"""Data paths as objects (transport/paths.py): a new path is one class, given to the server and the
+client that use it; metric labels are the paths' own; fault injection wraps a path.
+
+Seen to fail: with the pattern path left out of the server's `paths`, the read is refused
+("unknown data_path 'pattern'"); with FaultyPath.serve passing `outgoing` through unchanged, the
+corrupt rule no longer changes the bytes (the checksum check passes).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.store import StoreConfig, TieredStore
+from kvconnectors.transport import wire
+from kvconnectors.transport.client import StoreClient
+from kvconnectors.transport.faults import FaultPlan, FaultRule, FaultyPath, with_fault
+from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, TCP_PUSH, NixlPull, NixlPush, TcpPull
+from kvconnectors.transport.server import StoreServer
+
+SLOT, LAYERS, BLOCKS = 4096, 2, 3
+FP = "fp-paths"
+COMPAT = wire.compat_hash("tiered")
+
+
+class PatternPath(TcpPull):
+    """A made-up path: streams like tcp, but serves a fixed pattern instead of the store's bytes."""
+    name, label = "pattern", "pattern"
+
+    def serve(self, server, sock, read, nvme_slots, ttl, checksums, outgoing=None) -> None:
+        n = len(read.layers) * read.num_blocks * server.store.slot_bytes
+        wire.send_msg(sock, wire.ReadReply(ok=True, nbytes=n, lease_ttl_s=ttl))
+        wire.send_all(sock, [memoryview(np.full(n, 0xA5, dtype=np.uint8))])
+
+
+def _staged_server(paths=None, faults=None) -> tuple[TieredStore, StoreServer]:
+    store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=32 * SLOT, lease_ttl_s=30))
+    data = np.arange(LAYERS * BLOCKS * SLOT, dtype=np.uint32).astype(np.uint8).reshape(LAYERS, BLOCKS, SLOT)
+    store.create("t", LAYERS, BLOCKS)
+    for layer in range(LAYERS):
+        store.write("t", layer, 0, data[layer])
+    store.seal("t", {"xxh3": [xxhash.xxh3_64_intdigest(data[l, b]) for l in range(LAYERS) for b in range(BLOCKS)]})
+    return store, StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT, paths=paths,
+                              faults=faults)
+
+
+@pytest.mark.parametrize("offered", [True, False])
+def test_a_new_path_is_one_class_given_to_both_ends(offered) -> None:
+    store, srv = _staged_server(paths=[TCP_PULL, PatternPath()] if offered else [TCP_PULL])
+    dest_buf = np.zeros((LAYERS * BLOCKS, SLOT), dtype=np.uint8)
+    try:
+        with StoreClient("127.0.0.1", srv.port, compat=COMPAT) as c:
+            read = lambda: c.read("t", range(LAYERS), 0, [memoryview(r) for r in dest_buf], fingerprint=FP,  # noqa: E731
+                                  deadline=time.monotonic() + 5, path=PatternPath())
+            if offered:
+                assert read() == dest_buf.nbytes
+                assert (dest_buf == 0xA5).all()
+            else:
+                with pytest.raises(TransferError, match="unknown data_path 'pattern'") as exc:
+                    read()
+                assert exc.value.cause is FailureCause.PROTOCOL
+    finally:
+        srv.close()
+        store.close()
+
+
+def test_a_server_refuses_a_known_path_it_does_not_offer_naming_why() -> None:
+    store, srv = _staged_server()
+    try:
+        with StoreClient("127.0.0.1", srv.port, compat=COMPAT) as c, pytest.raises(TransferError) as exc:
+            c.read("t", range(LAYERS), 0, [memoryview(bytearray(SLOT)) for _ in range(LAYERS * BLOCKS)],
+                   fingerprint=FP, deadline=time.monotonic() + 5, path=SHM_PULL)
+        assert "data_path 'shm' asked, but this store has no shm arena" in str(exc.value)
+    finally:
+        srv.close()
+        store.close()
+
+
+def test_metric_labels_are_the_paths_own() -> None:
+    assert [p.label for p in (TCP_PULL, SHM_PULL, NixlPull())] == ["tcp", "shm", "nixl"]
+    assert [p.label for p in (TCP_PUSH, NixlPush())] == ["push_tcp", "push_nixl"]
+    assert [p.name for p in (TCP_PULL, SHM_PULL, NixlPull(), TCP_PUSH, NixlPush())] == [
+        "inline", "shm", "nixl", "inline", "nixl"]  # the wire's data_path values, unchanged
+
+
+def test_data_faults_wrap_the_path_and_control_faults_do_not() -> None:
+    assert with_fault(TCP_PULL, None) is TCP_PULL
+    assert with_fault(TCP_PULL, FaultRule(action="drop")) is TCP_PULL
+    wrapped = with_fault(TCP_PULL, FaultRule(action="corrupt"))
+    assert isinstance(wrapped, FaultyPath) and wrapped.label == "tcp" and wrapped.streams
+    store, srv = _staged_server(faults=FaultPlan.from_config([{"action": "corrupt"}]))
+    try:
+        with StoreClient("127.0.0.1", srv.port, compat=COMPAT) as c, pytest.raises(TransferError) as exc:
+            c.read("t", range(LAYERS), 0, [memoryview(bytearray(SLOT)) for _ in range(LAYERS * BLOCKS)],
+                   fingerprint=FP, deadline=time.monotonic() + 5)
+        assert exc.value.cause is FailureCause.CHECKSUM_MISMATCH
+    finally:
+        srv.close()
+        store.close()
