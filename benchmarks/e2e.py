@@ -322,4 +322,4 @@ def _plot(raw: dict[str, Any], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(module_main("benchmarks.e2e", __doc__, add_arguments, run))
+    raise SystemExit(module_main("kvconnectors.benchmarks.e2e", __doc__, add_arguments, run))

@@ -322,4 +322,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(module_main("benchmarks.proxy_overhead", __doc__, add_arguments, run))
+    raise SystemExit(module_main("kvconnectors.benchmarks.proxy_overhead", __doc__, add_arguments, run))

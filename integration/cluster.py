@@ -56,7 +56,8 @@ class PDCluster:
         self.plans = launcher.plan_instances(self.args)
         self.servers: list[VllmServer] = [launcher.build_server(p, self.args, self.log_dir) for p in self.plans]
         self._extra_proxy_args = list(proxy_args)
-        self.proxy_ns = launcher.parse_proxy_argv([*launcher.proxy_argv(self.plans, self.args), *proxy_args])
+        # built now so that bad proxy_args fail before any server starts
+        self.proxy_config = launcher.proxy_config(self.plans, self.args, self._extra_proxy_args)
         self._proxy: ProxyThread | ProxyProcess | None = None
         self._proxy_process = proxy_process  # its own process: no GIL shared with the caller
         self.proxy_url = ""
@@ -78,10 +79,9 @@ class PDCluster:
             # Pick the proxy's port only now: one chosen before the servers started could have
             # been taken by one of their own ephemeral sockets meanwhile.
             self.args.proxy_port = 0 if not self._proxy_process else free_port()
-            argv = [*launcher.proxy_argv(self.plans, self.args), *self._extra_proxy_args]
-            self.proxy_ns = launcher.parse_proxy_argv(argv)
-            self._proxy = (ProxyProcess(argv, self.proxy_ns, self.log_dir) if self._proxy_process
-                           else ProxyThread(self.proxy_ns)).start()
+            self.proxy_config = launcher.proxy_config(self.plans, self.args, self._extra_proxy_args)
+            self._proxy = (ProxyProcess(proxy_mod.config_argv(self.proxy_config), self.proxy_config, self.log_dir)
+                           if self._proxy_process else ProxyThread(self.proxy_config)).start()
             self.proxy_url = self._proxy.url
         except BaseException:
             self.stop()
@@ -104,8 +104,8 @@ class PDCluster:
 class ProxyThread:
     """The asyncio P/D proxy running on its own event loop in a background thread."""
 
-    def __init__(self, proxy_ns: argparse.Namespace):
-        self.ns = proxy_ns
+    def __init__(self, config: proxy_mod.ProxyConfig):
+        self.config = config
         self.url = ""
         self.proxy: proxy_mod.PDProxy | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -119,9 +119,9 @@ class ProxyThread:
             loop = asyncio.new_event_loop()
             self._loop = loop
             try:
-                self.proxy = proxy_mod.PDProxy(proxy_mod.config_from_args(self.ns))
-                port = loop.run_until_complete(self.proxy.start(self.ns.host, self.ns.port))
-                self.url = f"http://{self.ns.host}:{port}"
+                self.proxy = proxy_mod.PDProxy(self.config)
+                port = loop.run_until_complete(self.proxy.start(self.config.host, self.config.port))
+                self.url = f"http://{self.config.host}:{port}"
             except BaseException as exc:  # surfaced to start()
                 errors.append(exc)
                 ready.set()
@@ -147,9 +147,10 @@ class ProxyThread:
 class ProxyProcess:
     """The proxy as `python -m kvconnectors.integration.proxy` in its own process group."""
 
-    def __init__(self, argv: Sequence[str], proxy_ns: argparse.Namespace, log_dir: Path):
-        self.argv, self.ns, self.log_path = list(argv), proxy_ns, log_dir / "proxy.log"
-        self.url = f"http://{proxy_ns.host}:{proxy_ns.port}"
+    def __init__(self, argv: Sequence[str], config: proxy_mod.ProxyConfig, log_dir: Path):
+        """`argv`: the proxy's command line, which must say what `config` says (config_argv(config))."""
+        self.argv, self.config, self.log_path = list(argv), config, log_dir / "proxy.log"
+        self.url = f"http://{config.host}:{config.port}"
         self.proc: "subprocess.Popen[bytes] | None" = None
 
     def start(self, timeout: float = 60.0) -> "ProxyProcess":

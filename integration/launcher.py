@@ -29,11 +29,14 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kvconnectors
 from kvconnectors.cli_types import PortInUseError, check_port_free, port_or_zero, positive_int
 from kvconnectors.serving import ServerStartError, VllmServer, free_port, stop_all
+
+if TYPE_CHECKING:
+    from kvconnectors.integration.proxy import ProxyConfig
 
 log = logging.getLogger("kvconnectors.serve-pd")
 
@@ -140,16 +143,37 @@ def build_server(plan: InstancePlan, args: argparse.Namespace, log_dir: Path) ->
         stream_logs=not args.quiet, health_timeout=args.health_timeout)
 
 
+def proxy_config(plans: Sequence[InstancePlan], args: argparse.Namespace,
+                 extra_argv: Sequence[str] = ()) -> "ProxyConfig":
+    """The proxy's settings for these plans, built directly (pools, host, port, mode); the user's
+    --proxy-args (and `extra_argv`) amend them as the proxy's own flags would: a repeated flag
+    (--prefill, --decode) adds instances, any other replaces the value. Validated: a bad flag or
+    combination is a ValueError naming it, before any server starts."""
+    from kvconnectors.integration import proxy as proxy_mod
+    from kvconnectors import settings
+
+    values: dict[str, Any] = {
+        "host": args.proxy_host, "port": args.proxy_port, "mode": args.mode,
+        "prefill": [proxy_mod.InstanceSpec(p.url(args.host)) for p in plans if p.role == "prefill"],
+        "decode": [proxy_mod.InstanceSpec(p.url(args.host), p.kv_addr) for p in plans if p.role != "prefill"]}
+    parser = _RaisingParser(prog="proxy")
+    settings.add_arguments(parser, proxy_mod.ProxyConfig, overrides_only=True)
+    try:
+        given = vars(parser.parse_args([*shlex.split(args.proxy_args or ""), *extra_argv]))
+        for key, value in given.items():
+            values[key] = values[key] + value if key in ("prefill", "decode") else value
+        config = proxy_mod.ProxyConfig(**values)
+        config.validate()
+    except ValueError as exc:
+        raise ValueError(f"invalid proxy flags (check --proxy-args): {exc}") from None
+    return config
+
+
 def proxy_argv(plans: Sequence[InstancePlan], args: argparse.Namespace) -> list[str]:
-    """The proxy's command-line arguments (parsed by the proxy itself, in-process or not)."""
-    argv = ["--host", args.proxy_host, "--port", str(args.proxy_port), "--mode", args.mode]
-    for p in plans:
-        if p.role == "prefill":
-            argv += ["--prefill", p.url(args.host)]
-        else:
-            kv = f",kv={p.kv_addr}" if p.kv_addr else ""
-            argv += ["--decode", p.url(args.host) + kv]
-    return argv + shlex.split(args.proxy_args or "")
+    """The proxy's command line for these plans (`python -m kvconnectors.integration.proxy ...`), from proxy_config."""
+    from kvconnectors.integration import proxy as proxy_mod
+
+    return proxy_mod.config_argv(proxy_config(plans, args))
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -180,21 +204,25 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
-def parse_proxy_argv(argv: Sequence[str]) -> argparse.Namespace:
-    """Parse (and so validate) the proxy's arguments before any server starts."""
+def parse_proxy_argv(argv: Sequence[str]) -> "ProxyConfig":
+    """A whole proxy command line (as `python -m kvconnectors.integration.proxy` takes it), parsed and validated."""
     from kvconnectors.integration import proxy as proxy_mod
 
     parser = _RaisingParser(prog="proxy")
     proxy_mod.add_arguments(parser)
     try:
-        ns = parser.parse_args(list(argv))
-        proxy_mod.config_from_args(ns).validate()
+        config = proxy_mod.config_from_args(parser.parse_args(list(argv)))
+        config.validate()
     except ValueError as exc:
         raise ValueError(f"invalid proxy flags (check --proxy-args): {exc}") from None
-    return ns
+    return config
 
 
-def describe(plans: Sequence[InstancePlan], args: argparse.Namespace, log_dir: Path) -> str:
+def describe(plans: Sequence[InstancePlan], args: argparse.Namespace, log_dir: Path,
+             proxy_cfg: "ProxyConfig | None" = None) -> str:
+    from kvconnectors.integration import proxy as proxy_mod
+
+    proxy_cfg = proxy_cfg or proxy_config(plans, args)
     lines = []
     for p in plans:
         srv = build_server(p, args, log_dir)
@@ -204,7 +232,7 @@ def describe(plans: Sequence[InstancePlan], args: argparse.Namespace, log_dir: P
                      + (f", kv store {p.kv_addr}" if p.kv_addr else "") + ")")
         lines.append((env + " " if env else "") + shlex.join(srv.command()))
     lines.append("# proxy")
-    lines.append(shlex.join([sys.executable, "-m", "kvconnectors.integration.proxy", *proxy_argv(plans, args)]))
+    lines.append(shlex.join([sys.executable, "-m", "kvconnectors.integration.proxy", *proxy_mod.config_argv(proxy_cfg)]))
     return "\n".join(lines)
 
 
@@ -263,9 +291,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         validate(args)
         plans = plan_instances(args)
-        proxy_ns = parse_proxy_argv(proxy_argv(plans, args))
+        proxy_cfg = proxy_config(plans, args)
         if args.proxy != "none" and not args.dry_run:
-            check_port_free(args.proxy_host, args.proxy_port)  # now, not after minutes of vLLM start-up
+            check_port_free(proxy_cfg.host, proxy_cfg.port)  # now, not after minutes of vLLM start-up
     except PortInUseError as exc:
         print(f"kvconnectors serve-pd: error: {exc.advice('--proxy-port')}", file=sys.stderr)
         return 2
@@ -274,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvc-serve-pd-"))
     if args.dry_run:
-        print(describe(plans, args, log_dir))
+        print(describe(plans, args, log_dir, proxy_cfg))
         return 0
     servers = [build_server(p, args, log_dir) for p in plans]
     proxy_proc: subprocess.Popen[bytes] | None = None
@@ -293,11 +321,13 @@ def run(args: argparse.Namespace) -> int:
             s.wait_healthy(timeout=max(1.0, deadline - time.monotonic()))
             log.info("%s healthy", s.name)
         if args.proxy == "subprocess":
+            from kvconnectors.integration import proxy as proxy_mod
+
             proxy_proc = subprocess.Popen(
-                [sys.executable, "-m", "kvconnectors.integration.proxy", *proxy_argv(plans, args)],
+                [sys.executable, "-m", "kvconnectors.integration.proxy", *proxy_mod.config_argv(proxy_cfg)],
                 cwd=PACKAGE_ROOT, start_new_session=True)
         # asyncio's own handlers replace on_term inside _supervise; until then on_term still covers
-        return asyncio.run(_supervise(servers, proxy_ns if args.proxy == "inprocess" else None, proxy_proc))
+        return asyncio.run(_supervise(servers, proxy_cfg if args.proxy == "inprocess" else None, proxy_proc))
     except ServerStartError as exc:
         log.error("%s", exc)
         return 1
@@ -324,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("all instances stopped")
 
 
-async def _supervise(servers: Sequence[VllmServer], proxy_ns: argparse.Namespace | None,
+async def _supervise(servers: Sequence[VllmServer], proxy_cfg: "ProxyConfig | None",
                      proxy_proc: subprocess.Popen[bytes] | None) -> int:
     """Run the in-process proxy (if any) until a signal or until any instance exits."""
     from kvconnectors.integration import proxy as proxy_mod
@@ -336,10 +366,10 @@ async def _supervise(servers: Sequence[VllmServer], proxy_ns: argparse.Namespace
     pd: proxy_mod.PDProxy | None = None
     rc = 0
     try:
-        if proxy_ns is not None:
-            pd = proxy_mod.PDProxy(proxy_mod.config_from_args(proxy_ns))
-            port = await pd.start(proxy_ns.host, proxy_ns.port)
-            log.info("proxy ready on http://%s:%s", proxy_ns.host, port)
+        if proxy_cfg is not None:
+            pd = proxy_mod.PDProxy(proxy_cfg)
+            port = await pd.start(proxy_cfg.host, proxy_cfg.port)
+            log.info("proxy ready on http://%s:%s", proxy_cfg.host, port)
         while not stop.is_set():
             dead = [s for s in servers if s.poll() is not None]
             if dead:

@@ -32,16 +32,18 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
 from aiohttp import web
+from msgspec import Meta
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from yarl import URL
 
-from kvconnectors.cli_types import (LOG_LEVELS, HelpFormatter, PortInUseError, binding, log_level,
+from kvconnectors import settings
+from kvconnectors.cli_types import (LOG_LEVELS, MAX_PORT, HelpFormatter, PortInUseError, binding, log_level,
                                     non_negative_int, pipe_safe, port_or_zero, positive_float, positive_int)
 from kvconnectors.cli_types import port as parse_port
 # why a decode's KV load failed, as TieredConnector reports it (kvconnectors/errors.py imports no vLLM)
@@ -51,7 +53,8 @@ log = logging.getLogger("kvconnectors.proxy")
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MODE_HEADER = "X-KV-Transfer-Mode"
-MODES = ("pull", "push")
+Mode = Literal["pull", "push"]
+MODES: tuple[str, ...] = get_args(Mode)
 # Headers passed on to both legs (vLLM may run with --api-key).
 FORWARDED_HEADERS = ("Authorization",)
 
@@ -77,22 +80,62 @@ class InstanceSpec:
     kv_addr: str | None = None    # host:port of the instance's KV store (decode, push mode)
 
 
-@dataclasses.dataclass
-class ProxyConfig:
-    prefill: list[InstanceSpec]
-    decode: list[InstanceSpec]
-    mode: str = "pull"
-    connect_timeout: float = 5.0
-    prefill_timeout: float = 300.0
-    decode_timeout: float = 3600.0
-    decode_idle_timeout: float = 120.0
-    prefill_retries: int = 2
-    health_interval: float = 5.0
-    health_timeout: float = 2.0
-    unhealthy_after: int = 2
-    max_connections: int = 1024
-    max_body_bytes: int = 64 * 2**20
-    forward_kv_params: tuple[str, ...] = ()  # client kv_transfer_params keys passed to the prefill leg
+Seconds = Annotated[float, Meta(gt=0)]
+
+
+def _flag(help: str, *, ge: int | None = None, le: int | None = None, **extra: Any) -> Meta:
+    """A setting's range, help text and how its flag reads (`extra`: the keys of kvconnectors/settings.py)."""
+    return Meta(ge=ge, le=le, description=help, extra=extra)
+
+
+def _format_decode(spec: InstanceSpec) -> str:
+    return spec.url + (f",kv={spec.kv_addr}" if spec.kv_addr else "")
+
+
+class ProxyConfig(msgspec.Struct, kw_only=True):
+    """Every proxy setting, declared once: type and range, default, and the help of its flag
+    (`add_arguments` derives the command line from these fields)."""
+    prefill: Annotated[list[InstanceSpec], _flag(
+        "a prefill (kv_producer) instance, e.g. http://127.0.0.1:8100; repeat for more",
+        parse=parse_prefill, format=lambda s: s.url, repeat=True, metavar="URL")]
+    decode: Annotated[list[InstanceSpec], _flag(
+        "a decode (kv_consumer) instance; kv= is the address of its KV store, needed for push mode; "
+        "repeat for more", parse=parse_decode, format=_format_decode, repeat=True,
+        metavar="URL[,kv=HOST:PORT]")]
+    host: Annotated[str, _flag("address to listen on (0.0.0.0 for all)")] = "127.0.0.1"
+    port: Annotated[int, _flag("port to listen on; 0 picks a free one (the log says which)", ge=0, le=MAX_PORT,
+                               parse=port_or_zero)] = 8000
+    mode: Annotated[Mode, _flag(
+        "pull: decode fetches the KV after prefill; push: prefill pushes it to the chosen decode instance "
+        f"while it computes. Per request: header {MODE_HEADER}")] = "pull"
+    connect_timeout: Annotated[Seconds, _flag("seconds to open a connection to an instance",
+                                              parse=positive_float)] = 5.0
+    prefill_timeout: Annotated[Seconds, _flag("seconds for a whole prefill leg (per attempt)",
+                                              parse=positive_float)] = 300.0
+    decode_timeout: Annotated[Seconds, _flag("seconds for a whole decode leg, streaming included",
+                                             parse=positive_float)] = 3600.0
+    decode_idle_timeout: Annotated[Seconds, _flag("seconds without any byte from the decode instance before "
+                                                  "giving up", parse=positive_float)] = 120.0
+    prefill_retries: Annotated[int, _flag("extra prefill attempts, each on another instance, after a connection "
+                                          "error or 5xx", ge=0, parse=non_negative_int)] = 2
+    health_interval: Annotated[Seconds, _flag("seconds between GET /health rounds over all instances",
+                                              parse=positive_float)] = 5.0
+    health_timeout: Annotated[Seconds, _flag("seconds for one /health probe", parse=positive_float)] = 2.0
+    unhealthy_after: Annotated[int, _flag("failed /health probes in a row before an instance leaves rotation (a "
+                                          "refused connection during a request takes it out at once)",
+                                          ge=1, parse=positive_int)] = 2
+    max_connections: Annotated[int, _flag("upper bound on open upstream connections", ge=1,
+                                          parse=positive_int)] = 1024
+    max_body_bytes: Annotated[int, _flag("largest client request body, in bytes", ge=1, cli=False)] = 64 * 2**20
+    log_level: Annotated[Literal[LOG_LEVELS], _flag("proxy log level, in any case (debug or DEBUG)",
+                                                    parse=log_level)] = "INFO"
+    forward_kv_params: Annotated[tuple[str, ...], _flag(
+        "keys of the client's own kv_transfer_params to pass on to the prefill leg (e.g. kvc_fault for "
+        "TieredConnector's test hooks); none by default", parse=parse_key_list, format=",".join,
+        metavar="KEY[,KEY...]")] = ()
+
+    def __post_init__(self) -> None:
+        settings.check_fields(self)
 
     def validate(self) -> None:
         if not self.prefill or not self.decode:
@@ -766,52 +809,17 @@ class PDProxy:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", action="append", type=parse_prefill, required=True, metavar="URL",
-                        help="a prefill (kv_producer) instance, e.g. http://127.0.0.1:8100; repeat for more")
-    parser.add_argument("--decode", action="append", type=parse_decode, required=True,
-                        metavar="URL[,kv=HOST:PORT]",
-                        help="a decode (kv_consumer) instance; kv= is the address of its KV store, "
-                             "needed for push mode; repeat for more")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
-    parser.add_argument("--port", type=port_or_zero, default=8000,
-                        help="port to listen on; 0 picks a free one (the log says which)")
-    parser.add_argument("--mode", choices=MODES, default="pull",
-                        help="pull: decode fetches the KV after prefill; push: prefill pushes it to the "
-                             f"chosen decode instance while it computes. Per request: header {MODE_HEADER}")
-    parser.add_argument("--connect-timeout", type=positive_float, default=5.0,
-                        help="seconds to open a connection to an instance")
-    parser.add_argument("--prefill-timeout", type=positive_float, default=300.0,
-                        help="seconds for a whole prefill leg (per attempt)")
-    parser.add_argument("--decode-timeout", type=positive_float, default=3600.0,
-                        help="seconds for a whole decode leg, streaming included")
-    parser.add_argument("--decode-idle-timeout", type=positive_float, default=120.0,
-                        help="seconds without any byte from the decode instance before giving up")
-    parser.add_argument("--prefill-retries", type=non_negative_int, default=2,
-                        help="extra prefill attempts, each on another instance, after a connection error "
-                             "or 5xx")
-    parser.add_argument("--health-interval", type=positive_float, default=5.0,
-                        help="seconds between GET /health rounds over all instances")
-    parser.add_argument("--health-timeout", type=positive_float, default=2.0, help="seconds for one /health probe")
-    parser.add_argument("--unhealthy-after", type=positive_int, default=2,
-                        help="failed /health probes in a row before an instance leaves rotation "
-                             "(a refused connection during a request takes it out at once)")
-    parser.add_argument("--max-connections", type=positive_int, default=1024,
-                        help="upper bound on open upstream connections")
-    parser.add_argument("--log-level", type=log_level, default="INFO", choices=LOG_LEVELS,
-                        help="proxy log level, in any case (debug or DEBUG)")
-    parser.add_argument("--forward-kv-params", type=parse_key_list, default=(), metavar="KEY[,KEY...]",
-                        help="keys of the client's own kv_transfer_params to pass on to the prefill leg "
-                             "(e.g. kvc_fault for TieredConnector's test hooks); none by default")
+    """One flag per ProxyConfig setting: --prefill, --decode, --host, --port, --mode, ... (derived)."""
+    settings.add_arguments(parser, ProxyConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    return ProxyConfig(
-        prefill=list(args.prefill), decode=list(args.decode), mode=args.mode,
-        connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
-        decode_timeout=args.decode_timeout, decode_idle_timeout=args.decode_idle_timeout,
-        prefill_retries=args.prefill_retries, health_interval=args.health_interval,
-        health_timeout=args.health_timeout, unhealthy_after=args.unhealthy_after,
-        max_connections=args.max_connections, forward_kv_params=tuple(args.forward_kv_params))
+    return settings.from_args(ProxyConfig, args)
+
+
+def config_argv(config: ProxyConfig) -> list[str]:
+    """The command line that `python -m kvconnectors.integration.proxy` parses back into `config`."""
+    return settings.to_argv(config)
 
 
 async def serve(config: ProxyConfig, host: str, port: int, stop: asyncio.Event | None = None) -> None:
@@ -845,7 +853,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvconnectors proxy: error: {exc}", file=sys.stderr)
         return 2
     try:
-        _run_loop(serve(config, args.host, args.port))
+        _run_loop(serve(config, config.host, config.port))
     except PortInUseError as exc:
         print(f"kvconnectors proxy: error: {exc.advice('--port')}", file=sys.stderr)
         return 2

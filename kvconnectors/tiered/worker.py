@@ -121,7 +121,7 @@ class TieredConnectorWorker:
         safe = re.sub(r"[^A-Za-z0-9_.]", "", self.engine_id)[:16] or "engine"
         self.store = TieredStore(StoreConfig(
             slot_bytes=self.layout.block_bytes, dram_bytes=cfg.dram_bytes, nvme_dirs=cfg.nvme_dirs,
-            nvme_bytes=cfg.nvme_bytes, lease_ttl_s=cfg.lease_ttl_s, instance_name=f"{cfg.instance_name}{tp_rank}",
+            nvme_bytes=cfg.nvme_bytes, nvme_create_dirs=cfg.nvme_create_dirs, lease_ttl_s=cfg.lease_ttl_s, instance_name=f"{cfg.instance_name}{tp_rank}",
             shm_name=f"kvc_{safe}_{tp_rank}_{os.getpid()}" if cfg.transport == "shm" else None))
         # Expiry is the backstop for consumers that never come: check a few times per TTL.
         self._reaper = Reaper(self.store, interval_s=min(1.0, cfg.lease_ttl_s / 4)).start()

@@ -136,7 +136,7 @@ def test_small_dram_spills_both_sides_and_reports_disk_hits(deep_model, prompts,
     NVMe (pushed from there), the decode lands them partly on NVMe; the outputs still equal
     colocated, and the decode attributes the NVMe-held part of the prompts to `disk`."""
     kv = {"kv_connector_extra_config": {**PUSH, "dram_bytes": "2MiB", "nvme_dirs": [str(tmp_path / "nvme")],
-                                        "nvme_bytes": "512MiB"}}
+                                        "nvme_bytes": "512MiB", "nvme_create_dirs": True}}
     with PDCluster(deep_model, transport="tcp", mode="push", kv_extra=kv, log_dir=tmp_path / "logs") as pd:
         assert_same_tokens(colocated[:len(prompts)], run_workload(pd, prompts))
         statuses = stores_empty(pd)

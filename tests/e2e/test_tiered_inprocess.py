@@ -224,7 +224,7 @@ def test_dram_budget_far_below_the_workload_spills_to_nvme(tiny_model, prompts, 
     """A 256 KiB DRAM tier (16 blocks of this model) for ~200 blocks of KV: most staged KV lives on
     disk; the decode outputs still equal colocated, and the store counts spills and NVMe reads."""
     nvme = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
-    cfg = tiered(dram_bytes="256KiB", nvme_dirs=nvme, nvme_bytes="64MiB")
+    cfg = tiered(dram_bytes="256KiB", nvme_dirs=nvme, nvme_bytes="64MiB", nvme_create_dirs=True)
     with llm_engine(tiny_model, kv_transfer_config=cfg) as llm:
         tickets = prefill(llm, prompts)
         store = worker_connector().connector_worker.store

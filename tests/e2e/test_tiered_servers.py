@@ -115,7 +115,7 @@ def test_spills_and_transfers_show_on_the_servers_metrics(tiny_model, prompts, c
     """A DRAM tier of 16 blocks for the whole workload: the producer spills to NVMe, the outputs
     still equal colocated, and Prometheus on each server's /metrics shows what happened."""
     kv = {"kv_connector_extra_config": {"dram_bytes": "256KiB", "nvme_dirs": [str(tmp_path / "nvme")],
-                                        "nvme_bytes": "64MiB"}}
+                                        "nvme_bytes": "64MiB", "nvme_create_dirs": True}}
     with PDCluster(tiny_model, transport="tcp", kv_extra=kv, log_dir=tmp_path / "logs") as pd:
         outs = run_workload(pd, pd.prefill[0].served_model_name, prompts)
         assert_same_tokens(colocated[:len(prompts)], [token_ids(r) for r in outs])

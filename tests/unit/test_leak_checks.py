@@ -72,7 +72,8 @@ class Cluster:
 
 def start_store(nvme_dir: str) -> tuple[TieredStore, StoreServer]:
     store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=LAYERS * BLOCKS * SLOT, nvme_dirs=[nvme_dir],
-                                    nvme_bytes=16 * SLOT, lease_ttl_s=30, dram_prefault=False))
+                                    nvme_bytes=16 * SLOT, nvme_create_dirs=True, lease_ttl_s=30,
+                                    dram_prefault=False))
     return store, StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT)
 
 

@@ -24,7 +24,7 @@ S = 4096  # slot bytes: a page, so O_DIRECT alignment holds
 def make(tmp_path, dram_slots=8, nvme_slots=8, ndirs=2, clock=None, **kw) -> TieredStore:
     dirs = [str(tmp_path / f"nvme{i}") for i in range(ndirs)]
     cfg = StoreConfig(slot_bytes=S, dram_bytes=dram_slots * S, nvme_dirs=dirs if nvme_slots else [],
-                      nvme_bytes=nvme_slots * S, lease_ttl_s=30, **kw)
+                      nvme_bytes=nvme_slots * S, nvme_create_dirs=True, lease_ttl_s=30, **kw)
     return TieredStore(cfg, clock or FakeClock())
 
 
@@ -556,7 +556,7 @@ def test_concurrent_writer_readers_and_reaper(tmp_path):
     """The forward thread stages entries (forcing spills), transport threads read and pin them, a
     reaper expires: every byte read must be the byte written, and the books must balance."""
     s = TieredStore(StoreConfig(slot_bytes=S, dram_bytes=24 * S, nvme_dirs=[str(tmp_path / "n0"), str(tmp_path / "n1")],
-                                nvme_bytes=48 * S, io_threads=2, lease_ttl_s=1.0))
+                                nvme_bytes=48 * S, nvme_create_dirs=True, io_threads=2, lease_ttl_s=1.0))
     sealed: list[str] = []
     errors: list[BaseException] = []
     stop = threading.Event()

@@ -23,10 +23,10 @@ def _bad(key: str, value: object, **kw) -> ConfigError:
 
 def test_sizes_are_parsed(tmp_path):
     cfg = StoreConfig(slot_bytes="16KiB", dram_bytes="1m", nvme_dirs=[str(tmp_path / "x")], nvme_bytes="2MB",
-                      max_io_bytes="1MiB")
+                      max_io_bytes="1MiB", nvme_create_dirs=True)
     assert (cfg.slot_bytes, cfg.dram_bytes, cfg.nvme_bytes, cfg.max_io_bytes) == (16384, 1 << 20, 2_000_000, 1 << 20)
     assert cfg.dram_slots == 64 and cfg.nvme_slots_per_dir == 122
-    assert os.path.isdir(tmp_path / "x")  # created on validation
+    assert os.path.isdir(tmp_path / "x")  # created on validation, as nvme_create_dirs asks
     assert cfg.lease_ttl_s == 30.0 and cfg.o_direct == "auto"
 
 
@@ -58,7 +58,7 @@ def test_uncreatable_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a dir")
     d = str(blocker / "sub")
-    err = _bad("nvme_dirs", d, nvme_dirs=[d], nvme_bytes="1MiB")
+    err = _bad("nvme_dirs", d, nvme_dirs=[d], nvme_bytes="1MiB", nvme_create_dirs=True)
     assert "cannot create" in err.why
 
 

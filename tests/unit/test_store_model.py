@@ -58,8 +58,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.dirs = [os.path.join(self.tmp, f"d{i}") for i in range(NDIRS)]
         self.clock = FakeClock()
         self.store = TieredStore(StoreConfig(slot_bytes=S, dram_bytes=DRAM_SLOTS * S, nvme_dirs=self.dirs,
-                                             nvme_bytes=NVME_SLOTS_PER_DIR * NDIRS * S, io_threads=2,
-                                             lease_ttl_s=10), self.clock)
+                                             nvme_bytes=NVME_SLOTS_PER_DIR * NDIRS * S, nvme_create_dirs=True,
+                                             io_threads=2, lease_ttl_s=10), self.clock)
         self.live: dict[str, Model] = {}
         self.ending: list[Model] = []   # ended while pinned: still occupies slots
         self.gone: set[str] = set()     # released or expired: must answer LeaseExpiredError
