@@ -27,6 +27,7 @@ import numpy as np
 
 import kvconnectors
 from kvconnectors.cli_types import HelpFormatter, pipe_safe
+from kvconnectors.transport.ucx_env import set_cpu_defaults
 
 
 def source_checkout() -> Path | None:
@@ -49,10 +50,9 @@ MAX_LIST_NUMBERS = 16  # a longer list of numbers is a sample, kept as its n / m
 
 def setup_env() -> None:
     """UCX settings every process that loads NIXL or Mooncake needs on a CPU-only host (without
-    UCX_MODULES=^ib it segfaults at exit once libibverbs1 is installed). setdefault: an RDMA host
-    can still override them."""
-    os.environ.setdefault("UCX_MODULES", "^ib")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    UCX_MODULES=^ib it segfaults at exit once libibverbs1 is installed), and quieter engine logs.
+    setdefault: an RDMA host can still override them."""
+    set_cpu_defaults()
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake: errors only (it logs INFO lines otherwise)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL: no INFO line per agent
 

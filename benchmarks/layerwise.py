@@ -104,6 +104,7 @@ import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
 from kvconnectors import planner  # noqa: E402
+from kvconnectors.benchmarks.models import PRESETS, KVBlocks  # noqa: E402
 
 FP = "kvc-bench-layerwise"
 TIMEOUT_S = 120.0
@@ -113,14 +114,14 @@ LAYER_TARGET_S = 0.025            # auto time scale: one emulated layer computes
 PROBE_BYTES = 32 << 20            # loopback probe: one bulk push of about this many bytes
 MIN_EMULATED_SLOT = 64            # bytes per emulated (layer, block) slot, at least
 DEFAULT_SHORT_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
-MODEL_PRESETS = {"8b": "llama-8b", "70b": "llama-70b"}   # -> kvconnectors.planner.MODELS
+MODEL_PRESETS = {k: PRESETS[k].model.name for k in ("8b", "70b")}   # -> kvconnectors.planner.MODELS
 INSTANT = "instant"                # the control sender: no link emulation
 MODE_COLOR = {"prefill alone": "#9e9e9e", "bulk": "#ff7f0e", "layer-wise": "#1f77b4"}
 
 
 # ============================================================================== calibration
 @dataclass(frozen=True)
-class Calibration:
+class Calibration(KVBlocks):
     preset: str
     model: planner.ModelSpec
     gpu: planner.GPUSpec
@@ -140,24 +141,12 @@ class Calibration:
         return self.tokens * self.s_per_token / self.model.layers
 
     @property
-    def token_bytes_per_layer(self) -> int:
-        return self.model.kv_bytes_per_token // self.model.layers
+    def num_layers(self) -> int:  # the emulated layers: KVBlocks' sizes are of what actually moves
+        return self.layers
 
     @property
     def blocks(self) -> int:
-        return math.ceil(self.tokens / self.block_tokens)
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.token_bytes_per_layer * self.block_tokens
-
-    @property
-    def layer_bytes(self) -> int:
-        return self.blocks * self.slot_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.layers * self.layer_bytes
+        return self.num_blocks
 
     def describe(self) -> dict[str, Any]:
         return {"preset": self.preset, "model": self.model.name, "params": self.model.params,

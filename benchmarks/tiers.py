@@ -56,7 +56,8 @@ import numpy as np
 
 from kvconnectors.benchmarks.common import (DEFAULT_OUT, add_results_argument, bar_chart, host_info, module_main,
                                             progress, publish, ratio, table)
-from kvconnectors.benchmarks.transfer import PRESETS
+from kvconnectors.benchmarks.models import PRESETS
+from kvconnectors.store.buffers import aligned_zeros
 
 TARGET = 0.8
 
@@ -66,17 +67,9 @@ def _aligned(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     shm_name): a *private* anonymous mapping with the transparent-huge-page hint, faulted in now. Not
     mmap.mmap(-1, n)'s default MAP_SHARED: that is shmem, which gets 4 KiB pages (no THP unless
     shmem_enabled allows it), and O_DIRECT from 4 KiB pages is markedly slower (more pages to pin, more
-    and smaller block requests) -- a handicap the store's arena does not have."""
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    m = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), **({"flags": flags} if flags else {}))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    a = np.frombuffer(m, dtype=np.uint8, count=nbytes)
-    a[:] = 0  # fault in outside the timing
-    return m, a
+    and smaller block requests) -- a handicap the store's arena does not have. The store's own helper,
+    so the two sides cannot drift apart."""
+    return aligned_zeros(nbytes)
 
 
 def memory_backing(address: int, nbytes: int) -> dict[str, Any] | None:

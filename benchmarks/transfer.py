@@ -39,7 +39,6 @@ Usage:  python -m kvconnectors.benchmarks.transfer --preset 8b --tokens 2048 --b
 from __future__ import annotations
 
 import argparse
-import math
 import mmap
 import multiprocessing as mp
 import os
@@ -59,6 +58,11 @@ setup_env()  # before anything can load NIXL / UCX / Mooncake; spawned children 
 
 import numpy as np  # noqa: E402
 
+from kvconnectors import planner  # noqa: E402
+from kvconnectors.benchmarks.models import PRESETS, KVBlocks, Preset  # noqa: E402
+from kvconnectors.store.buffers import aligned_zeros  # noqa: E402
+from kvconnectors.transport.nixl_bench import transfer_and_poll  # noqa: E402  (no NIXL import: that is lazy)
+
 FP = "kvc-bench-transfer"
 COMPAT_TAG = "bench-transfer"
 TIMEOUT_S = 120.0
@@ -67,36 +71,7 @@ MOONCAKE_INSTALL = "pip install mooncake-transfer-engine-non-cuda (and apt-get i
 
 # ============================================================================== geometry
 @dataclass(frozen=True)
-class Preset:
-    name: str
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
-    dtype_bytes: int
-    about: str
-
-    @property
-    def token_bytes_per_layer(self) -> int:
-        return self.kv_heads * self.head_dim * 2 * self.dtype_bytes  # K and V
-
-    @property
-    def token_bytes(self) -> int:
-        return self.num_layers * self.token_bytes_per_layer
-
-
-PRESETS: dict[str, Preset] = {
-    "8b": Preset("8b", 32, 8, 128, "bfloat16", 2,
-                 "Llama-3-8B-like: 32 layers x 8 KV heads x 128, bf16 (128 KiB/token)"),
-    "70b": Preset("70b", 80, 8, 128, "bfloat16", 2, "Llama-3-70B-like GQA: 80 layers x 8 KV heads x 128, bf16 "
-                                                   "(320 KiB/token)"),
-    "tiny": Preset("tiny", 2, 2, 32, "float32", 4, "the project's tiny test model: 2 layers x 2 KV heads x 32, "
-                                                  "fp32 (1 KiB/token)"),
-}
-
-
-@dataclass(frozen=True)
-class Geometry:
+class Geometry(KVBlocks):
     preset: str
     tokens: int
     block_tokens: int
@@ -110,20 +85,8 @@ class Geometry:
         return self.p.num_layers
 
     @property
-    def num_blocks(self) -> int:  # a partial last block still moves whole, as in vLLM
-        return math.ceil(self.tokens / self.block_tokens)
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.p.token_bytes_per_layer * self.block_tokens
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_layers * self.num_blocks
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_slots * self.slot_bytes
+    def model(self) -> planner.ModelSpec:
+        return self.p.model
 
     @property
     def kv_blocks(self) -> int:
@@ -186,16 +149,9 @@ def why_unavailable(need: str) -> str | None:
 
 # ============================================================================== memory
 def aligned(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """Page-aligned, zero-filled and faulted in (so first-touch page faults stay out of the timing)."""
-    m = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            m.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    a = np.frombuffer(m, dtype=np.uint8, count=nbytes)
-    a[:] = 0
-    return m, a
+    """Page-aligned, zero-filled and faulted in (so first-touch page faults stay out of the timing).
+    Shared anonymous memory, as this benchmark has always used (its numbers stay comparable)."""
+    return aligned_zeros(nbytes, shared=True)
 
 
 def make_payload(geom: Geometry, seed: int) -> tuple[mmap.mmap, np.ndarray]:
@@ -292,7 +248,7 @@ def _producer_main(conn: Any, geom_d: dict, paths: list[str], checksum: bool, se
                 api = nx._api()
                 nixl_agent = api.nixl_agent(nx.unique_agent_name("bench-target"),
                                             api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-                nixl_agent.register_memory(np.array([[base, flat.nbytes, 0]], dtype=np.uint64), "DRAM")
+                nixl_agent.register_memory(nx.reg_descs([(base, flat.nbytes)]), "DRAM")
                 info["nixl_direct"] = (nixl_agent.get_agent_metadata(), base)
             except Exception as exc:
                 info["errors"]["nixl_direct"] = f"producer NIXL agent failed: {_describe(exc)}"
@@ -456,17 +412,15 @@ class Consumer:
         agent = api.nixl_agent(nx.unique_agent_name("bench-direct"),
                                api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.nx_agent = agent
-        regs = np.array([[a.ctypes.data, a.nbytes, 0] for a in self.kv], dtype=np.uint64)
+        regs = nx.reg_descs([(a.ctypes.data, a.nbytes) for a in self.kv])
         self.nx_handles.append(("mem", agent.register_memory(regs, "DRAM")))
         peer = agent.add_remote_agent(meta)
         self.nx_peer = peer
-        loc = np.zeros((g.num_slots, 3), dtype=np.uint64)
         layer_base = np.array([a.ctypes.data for a in self.kv], dtype=np.uint64)
-        loc[:, 0] = (layer_base[:, None] + self.targets.astype(np.uint64)[None, :] * np.uint64(g.slot_bytes)).ravel()
-        loc[:, 1] = g.slot_bytes
-        rem = np.zeros((g.num_slots, 3), dtype=np.uint64)
-        rem[:, 0] = np.uint64(remote_base) + np.arange(g.num_slots, dtype=np.uint64) * np.uint64(g.slot_bytes)
-        rem[:, 1] = g.slot_bytes
+        loc = nx.xfer_descs((layer_base[:, None] + self.targets.astype(np.uint64)[None, :]
+                             * np.uint64(g.slot_bytes)).ravel(), g.slot_bytes)
+        rem = nx.xfer_descs(np.uint64(remote_base) + np.arange(g.num_slots, dtype=np.uint64)
+                            * np.uint64(g.slot_bytes), g.slot_bytes)
         self.nx_loc = agent.prep_xfer_dlist("NIXL_INIT_AGENT", loc, "DRAM")
         self.nx_rem = agent.prep_xfer_dlist(peer, rem, "DRAM")
         self.nx_handles += [("h", self.nx_loc), ("h", self.nx_rem)]
@@ -608,10 +562,7 @@ class Consumer:
         t0 = time.perf_counter()
         h = agent.make_prepped_xfer("READ", self.nx_loc, self.nx_idx, self.nx_rem, self.nx_idx, b"bench-done")
         try:
-            state = agent.transfer(h)
-            deadline = time.monotonic() + TIMEOUT_S
-            while state == "PROC" and time.monotonic() < deadline:
-                state = agent.check_xfer_state(h)
+            state = transfer_and_poll(agent, h, TIMEOUT_S)
         finally:
             h.release()
         elapsed = time.perf_counter() - t0

@@ -101,8 +101,12 @@ class ModelSpec:
             _count(key, getattr(self, key))
 
     @property
+    def kv_bytes_per_token_layer(self) -> int:
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes  # 2 = K and V
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes  # 2 = K and V
+        return self.layers * self.kv_bytes_per_token_layer
 
     @property
     def weight_bytes(self) -> float:

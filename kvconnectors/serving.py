@@ -31,6 +31,7 @@ from typing import Any, TextIO
 import psutil
 
 from kvconnectors.errors import KVConnectorError
+from kvconnectors.transport.ucx_env import CPU_DEFAULT_ENV  # UCX (NIXL) on loopback, no InfiniBand
 
 # Safe on a small CPU host: fp32 (bf16 was only checked on AMX), no graph capture, a block size the
 # CPU attention kernel accepts (multiple of 32), an explicit KV budget (the default
@@ -45,8 +46,6 @@ CPU_DEFAULT_ARGS: tuple[str, ...] = (
     "--seed", "0",
 )
 
-# UCX (NIXL's transport) otherwise probes InfiniBand and non-loopback NICs on every start.
-CPU_DEFAULT_ENV: dict[str, str] = {"UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kvconnectors.transport.ucx_env import set_cpu_defaults
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("UCX_MODULES", "^ib")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+set_cpu_defaults()
 os.environ.setdefault("KVCONNECTORS_CACHE", str(Path(__file__).resolve().parents[1] / ".cache"))
 
 

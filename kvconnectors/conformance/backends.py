@@ -7,19 +7,13 @@ CPU-only host; the exact exception text is quoted so a reader can tell when it s
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
 from kvconnectors.conformance.capabilities import Capabilities
 from kvconnectors.conformance.fixtures import ConnectorBackend
-
-
-def _closed_port() -> int:
-    """A local port nobody listens on now (connections are refused at once)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvconnectors.serving import free_port
+from kvconnectors.transport.ucx_env import CPU_DEFAULT_ENV
 
 
 # ============================================================================ TieredConnector
@@ -45,7 +39,7 @@ class TieredBackend(ConnectorBackend):
         from kvconnectors.tiered.metadata import TieredHandshakeMetadata
 
         harness.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): TieredHandshakeMetadata(
-            host="127.0.0.1", port=_closed_port(), tp_rank=0, fingerprint="conformance-scheduler-only")})
+            host="127.0.0.1", port=free_port(), tp_rank=0, fingerprint="conformance-scheduler-only")})
 
     def expected_load_tokens(self, prompt_len: int) -> int | None:
         return prompt_len  # the whole prompt (vLLM recomputes the last token itself)
@@ -142,9 +136,9 @@ class NixlBackend(ConnectorBackend):
         # would otherwise both listen on the default 5600.
         ports = self.__dict__.setdefault("_ports", {})  # per test instance (no __init__ on test classes)
         if instance not in ports:
-            ports[instance] = str(_closed_port())
+            ports[instance] = str(free_port())
         return {"VLLM_NIXL_SIDE_CHANNEL_PORT": ports[instance], "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "UCX_MODULES": "^ib", "UCX_NET_DEVICES": "lo"}
+                **CPU_DEFAULT_ENV}
 
     def prepare_consumer(self, harness: Any, prompt: list[int]) -> dict[str, Any] | None:
         # NIXL's documented consumer params (what a producer's request_finished returns and
@@ -154,7 +148,7 @@ class NixlBackend(ConnectorBackend):
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_block_ids": [list(range(1, nblocks + 1))],
                 "remote_engine_id": "conformance-remote-producer", "remote_request_id": f"prefill-{next(self._seq)}",
-                "remote_host": "127.0.0.1", "remote_port": _closed_port(), "tp_size": 1, "dcp_size": 1,
+                "remote_host": "127.0.0.1", "remote_port": free_port(), "tp_size": 1, "dcp_size": 1,
                 "pp_size": 1, "remote_num_tokens": len(prompt), "transfer_mode": "pull"}
 
     def expected_load_tokens(self, prompt_len: int) -> int | None:
@@ -236,7 +230,7 @@ class MooncakeBackend(ConnectorBackend):
         # One bootstrap (HTTP) port per producer engine; the default 8998 would clash.
         ports = self.__dict__.setdefault("_ports", {})
         if instance not in ports:
-            ports[instance] = str(_closed_port())
+            ports[instance] = str(free_port())
         return {"VLLM_MOONCAKE_BOOTSTRAP_PORT": ports[instance]}
 
     def worker_context(self) -> Any:
@@ -269,7 +263,7 @@ class MooncakeBackend(ConnectorBackend):
 
     def prepare_consumer(self, harness: Any, prompt: list[int]) -> dict[str, Any] | None:
         # The proxy's D-side params for a producer that is not there (scheduler-only tests).
-        return {"do_remote_prefill": True, "remote_bootstrap_addr": f"http://127.0.0.1:{_closed_port()}",
+        return {"do_remote_prefill": True, "remote_bootstrap_addr": f"http://127.0.0.1:{free_port()}",
                 "remote_engine_id": "conformance-remote-producer", "transfer_id": f"conformance-xfer-{next(self._seq)}"}
 
     def expected_load_tokens(self, prompt_len: int) -> int | None:

@@ -16,10 +16,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvconnectors.transport.ucx_env import set_cpu_defaults
+
 # Before vLLM is imported anywhere: in-process engines, no InfiniBand probing by UCX (NIXL).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("UCX_MODULES", "^ib")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+set_cpu_defaults()
 
 ENV_AREAS = "KVCONNECTORS_CONFORMANCE_AREAS"
 ENV_RESULTS = "KVCONNECTORS_CONFORMANCE_RESULTS"

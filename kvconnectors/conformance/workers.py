@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -34,6 +33,7 @@ import torch
 
 from kvconnectors.conformance.harness import (DEFAULT_NUM_BLOCKS, KVShape, SchedulerHarness, StepResult,
                                               create_kv_cache_config, create_vllm_config, kv_shape)
+from kvconnectors.serving import free_port
 
 if TYPE_CHECKING:
     from kvconnectors.conformance.fixtures import ConnectorBackend
@@ -54,12 +54,6 @@ def environment(overrides: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def single_rank_parallel_state(vllm_config: Any) -> Iterator[None]:
     """A one-rank gloo world plus vLLM's TP/PP groups (what a worker process has at tp_size 1).
@@ -72,7 +66,7 @@ def single_rank_parallel_state(vllm_config: Any) -> Iterator[None]:
         return
     with set_current_vllm_config(vllm_config):
         ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                        distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         ps.ensure_model_parallel_initialized(1, 1)
     try:
         yield

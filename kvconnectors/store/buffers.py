@@ -64,12 +64,13 @@ def is_aligned(arr: np.ndarray, align: int = PAGE) -> bool:
     return address(arr) % align == 0 and arr.nbytes % align == 0
 
 
-def private_mapping(nbytes: int) -> mmap.mmap:
-    """`nbytes` of page-aligned private anonymous memory with the transparent-huge-page hint, not yet
-    faulted in (the hint must come first). Private, not mmap.mmap(-1, n)'s default MAP_SHARED: shared
+def anonymous_mapping(nbytes: int, *, shared: bool = False) -> mmap.mmap:
+    """`nbytes` of page-aligned anonymous memory with the transparent-huge-page hint, not yet faulted
+    in (the hint must come first). Private by default, not mmap.mmap(-1, n)'s MAP_SHARED: shared
     anonymous memory is shmem, which gets no THP where shmem_enabled=never, and O_DIRECT from 4 KiB pages
-    pins more pages and splits each I/O into more, smaller block requests."""
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pins more pages and splits each I/O into more, smaller block requests. `shared=True` is for the
+    transfer benchmark, whose buffers have always been shared (its numbers must stay comparable)."""
+    m = mmap.mmap(-1, nbytes, flags=(mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer TLB misses and bigger block requests; a hint only
         try:
             m.madvise(mmap.MADV_HUGEPAGE)
@@ -78,10 +79,24 @@ def private_mapping(nbytes: int) -> mmap.mmap:
     return m
 
 
+def private_mapping(nbytes: int) -> mmap.mmap:
+    """The store's kind of memory: private anonymous, huge-page hint, not yet faulted in."""
+    return anonymous_mapping(nbytes)
+
+
 def aligned_empty(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     """Page-aligned scratch (O_DIRECT rejects malloc'ed numpy buffers, which sit 16 B past a page)."""
     m = private_mapping(max(nbytes, PAGE))
     return m, np.frombuffer(m, dtype=np.uint8, count=nbytes)
+
+
+def aligned_zeros(nbytes: int, *, shared: bool = False) -> tuple[mmap.mmap, np.ndarray]:
+    """Page-aligned, huge-page-hinted, zero-filled and faulted in now, so first-touch page faults stay
+    out of whatever is timed later (the benchmarks' buffers). Keep the mmap alive with the array."""
+    m = anonymous_mapping(max(nbytes, PAGE), shared=shared)
+    a = np.frombuffer(m, dtype=np.uint8, count=nbytes)
+    a[:] = 0
+    return m, a
 
 
 def runs(idx: np.ndarray) -> Iterator[tuple[int, int, int]]:

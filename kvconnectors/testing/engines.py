@@ -12,11 +12,12 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvconnectors.transport.ucx_env import set_cpu_defaults
+
 # Must be set before vLLM is imported: run EngineCore in this process so tests can see
 # the connector's objects, and keep one engine per core.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("UCX_MODULES", "^ib")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+set_cpu_defaults()
 
 DEFAULT_BLOCK_SIZE = 32  # CPU attention needs a multiple of 32
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20

@@ -208,20 +208,14 @@ class Landing:
     # ------------------------------------------------------------------ internals
     def _check_shape(self, msg: wire.Push) -> PushPath:
         """The path this push lands over, once its header is consistent (the path checks the rest)."""
-        if not msg.transfer_id or len(msg.transfer_id) > 512:
-            raise TransferError(FailureCause.PROTOCOL, f"bad transfer_id {msg.transfer_id[:64]!r}")
-        if msg.fingerprint != self.fingerprint:
-            raise TransferError(FailureCause.LAYOUT_MISMATCH, (
-                f"producer KV layout {msg.fingerprint} differs from this consumer's {self.fingerprint}"))
+        wire.check_transfer_id(msg.transfer_id)
+        wire.check_fingerprint(msg.fingerprint, self.fingerprint, peer="producer", us="consumer")
         if msg.num_layers != self.num_layers:
             raise TransferError(FailureCause.LAYOUT_MISMATCH,
                                 f"producer pushes {msg.num_layers} layers, this consumer has {self.num_layers}")
         if not 0 < msg.total_blocks <= 1 << 22:
             raise TransferError(FailureCause.PROTOCOL, f"bad total_blocks {msg.total_blocks}")
-        if (not msg.layers or len(set(msg.layers)) != len(msg.layers)
-                or any(not 0 <= layer < self.num_layers for layer in msg.layers)):
-            raise TransferError(FailureCause.PROTOCOL, f"layers {msg.layers[:8]}: need distinct layers "
-                                                       f"in [0, {self.num_layers})")
+        wire.check_layers(msg.layers, self.num_layers)
         if msg.first_block < 0 or msg.num_blocks < 1 or msg.first_block + msg.num_blocks > msg.total_blocks:
             raise TransferError(FailureCause.PROTOCOL, (
                 f"bad block range [{msg.first_block}, {msg.first_block + msg.num_blocks}) of {msg.total_blocks}"))

@@ -130,7 +130,8 @@ def _create_agent(role: str, name: str | None, tag: str) -> Any:
     return agent
 
 
-def _reg_descs(regions: Sequence[tuple[int, int]]) -> np.ndarray:
+def reg_descs(regions: Sequence[tuple[int, int]]) -> np.ndarray:
+    """register_memory's descriptors: one (address, nbytes, device 0) row per region."""
     descs = np.zeros((len(regions), 3), dtype=np.uint64)
     for i, (addr, nbytes) in enumerate(regions):
         descs[i, 0], descs[i, 1] = addr, nbytes
@@ -179,7 +180,7 @@ class NixlSource:
         self._agent = _create_agent("producer", name, tag)
         self.name: str = self._agent.name
         try:
-            self._reg = self._agent.register_memory(_reg_descs([(self.base_address, self.nbytes)]), "DRAM")
+            self._reg = self._agent.register_memory(reg_descs([(self.base_address, self.nbytes)]), "DRAM")
             self.metadata: bytes = self._agent.get_agent_metadata()  # after registering: it lists the arena
         except Exception as exc:
             self._agent = None
@@ -263,7 +264,7 @@ class NixlSink:
                 if (addr, nbytes) in self._regs or nbytes <= 0:
                     continue
                 try:
-                    self._regs[(addr, nbytes)] = self._agent.register_memory(_reg_descs([(addr, nbytes)]), "DRAM")
+                    self._regs[(addr, nbytes)] = self._agent.register_memory(reg_descs([(addr, nbytes)]), "DRAM")
                 except Exception as exc:
                     raise TransferError(FailureCause.PROTOCOL, (
                         f"NIXL consumer agent {self.name!r} could not register local memory "
@@ -366,9 +367,9 @@ class NixlSink:
         state = "NEW"
         try:
             try:
-                loc = self._track(agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descs(local_addrs, length), "DRAM"))
+                loc = self._track(agent.prep_xfer_dlist("NIXL_INIT_AGENT", xfer_descs(local_addrs, length), "DRAM"))
                 handles.append(loc)
-                rem = self._track(agent.prep_xfer_dlist(remote_name, _descs(remote_addrs, length), "DRAM"))
+                rem = self._track(agent.prep_xfer_dlist(remote_name, xfer_descs(remote_addrs, length), "DRAM"))
                 handles.append(rem)
                 idx = np.arange(n, dtype=np.int32)
                 xfer = self._track(agent.make_prepped_xfer("READ", loc, idx, rem, idx))
@@ -467,7 +468,8 @@ class NixlSink:
             raise TransferError(FailureCause.PROTOCOL, f"NIXL consumer agent {self.name!r} is closed")
 
 
-def _descs(addrs: np.ndarray, length: int) -> np.ndarray:
+def xfer_descs(addrs: np.ndarray, length: int) -> np.ndarray:
+    """prep_xfer_dlist's descriptors: one (address, length, device 0) row per block."""
     d = np.zeros((len(addrs), 3), dtype=np.uint64)
     d[:, 0] = addrs
     d[:, 1] = length

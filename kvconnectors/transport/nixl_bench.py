@@ -18,8 +18,8 @@ vLLM-like block table; NIXL cannot merge descriptors), "contiguous" keeps the or
 one after the other so one's progress threads never compete with the other. GB/s = bytes / s / 1e9,
 medians over `iters` timed pulls after `warmup`.
 
-On a CPU-only host the caller sets UCX_NET_DEVICES=lo and UCX_MODULES=^ib before calling (the
-producer processes inherit the environment).
+On a CPU-only host the caller sets UCX_NET_DEVICES=lo and UCX_MODULES=^ib before calling
+(kvconnectors.transport.ucx_env.set_cpu_defaults; the producer processes inherit the environment).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _raw_producer(conn: Any, nbytes: int, seed: int, progress_thread: bool) -> N
                            api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
     buf = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     buf[:] = _payload(nbytes, seed)
-    agent.register_memory(np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64), "DRAM")
+    agent.register_memory(nx.reg_descs([(buf.ctypes.data, buf.nbytes)]), "DRAM")
     conn.send((agent.get_agent_metadata(), buf.ctypes.data))
     while True:
         if progress_thread:
@@ -84,6 +84,18 @@ def _raw_producer(conn: Any, nbytes: int, seed: int, progress_thread: bool) -> N
             cmd = conn.recv()
         if cmd == "stop":
             return
+
+
+def transfer_and_poll(agent: Any, handle: Any, timeout_s: float) -> str:
+    """NIXL driven directly, the baselines' way: post the prepped transfer `handle` and poll its state
+    without sleeping until it leaves PROC or `timeout_s` has passed; returns the last state (the caller
+    releases the handle). Not NixlSink.read's loop on purpose: ours backs off between polls so a long
+    READ does not spin a core, and this is the fastest use of NIXL that ours is measured against."""
+    state = agent.transfer(handle)
+    deadline = time.monotonic() + timeout_s
+    while state == "PROC" and time.monotonic() < deadline:
+        state = agent.check_xfer_state(handle)
+    return state
 
 
 def _mapping(blocks: int, layout: str, seed: int) -> np.ndarray:
@@ -164,14 +176,10 @@ def bench_nixl_pull(nbytes: int = 256 << 20, *, block_bytes: int = 128 << 10, it
         api = nx._api()
         agent = api.nixl_agent(nx.unique_agent_name("bench-raw"),
                                api.nixl_agent_config(enable_prog_thread=raw_progress_thread, backends=["UCX"]))
-        reg = agent.register_memory(np.array([[dst.ctypes.data, dst.nbytes, 0]], dtype=np.uint64), "DRAM")
+        reg = agent.register_memory(nx.reg_descs([(dst.ctypes.data, dst.nbytes)]), "DRAM")
         peer = agent.add_remote_agent(meta)
-        loc_d = np.zeros((blocks, 3), dtype=np.uint64)
-        loc_d[:, 0] = dst.ctypes.data + local_of.astype(np.uint64) * block_bytes
-        loc_d[:, 1] = block_bytes
-        rem_d = np.zeros((blocks, 3), dtype=np.uint64)
-        rem_d[:, 0] = base + np.arange(blocks, dtype=np.uint64) * block_bytes
-        rem_d[:, 1] = block_bytes
+        loc_d = nx.xfer_descs(dst.ctypes.data + local_of.astype(np.uint64) * block_bytes, block_bytes)
+        rem_d = nx.xfer_descs(base + np.arange(blocks, dtype=np.uint64) * block_bytes, block_bytes)
         loc = agent.prep_xfer_dlist("NIXL_INIT_AGENT", loc_d, "DRAM")
         rem = agent.prep_xfer_dlist(peer, rem_d, "DRAM")
         idx = np.arange(blocks, dtype=np.int32)
@@ -181,10 +189,7 @@ def bench_nixl_pull(nbytes: int = 256 << 20, *, block_bytes: int = 128 << 10, it
                 t0 = time.perf_counter()
                 h = agent.make_prepped_xfer("READ", loc, idx, rem, idx)
                 try:
-                    state = agent.transfer(h)
-                    deadline = time.monotonic() + timeout_s
-                    while state == "PROC" and time.monotonic() < deadline:
-                        state = agent.check_xfer_state(h)
+                    state = transfer_and_poll(agent, h, timeout_s)
                 finally:
                     h.release()
                 if state != "DONE":
@@ -214,10 +219,10 @@ def bench_nixl_pull(nbytes: int = 256 << 20, *, block_bytes: int = 128 << 10, it
 
 if __name__ == "__main__":
     import json
-    import os
     import sys
 
-    os.environ.setdefault("UCX_MODULES", "^ib")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    from kvconnectors.transport.ucx_env import set_cpu_defaults
+
+    set_cpu_defaults()
     mib = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     print(json.dumps(bench_nixl_pull(mib << 20), indent=1, default=lambda x: round(x, 6)))

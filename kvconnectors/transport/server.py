@@ -270,16 +270,9 @@ class StoreServer:
 
     # ------------------------------------------------------------------ requests
     def _validate_read(self, msg: wire.Read) -> PullPath:
-        if not msg.transfer_id or len(msg.transfer_id) > 512:
-            raise TransferError(FailureCause.PROTOCOL, f"bad transfer_id {msg.transfer_id[:64]!r}")
-        if msg.fingerprint != self.fingerprint:
-            raise TransferError(FailureCause.LAYOUT_MISMATCH, (
-                f"consumer KV layout {msg.fingerprint} differs from this producer's {self.fingerprint}"))
-        if (not msg.layers or len(msg.layers) > self.num_layers or len(set(msg.layers)) != len(msg.layers)
-                or any(not 0 <= layer < self.num_layers for layer in msg.layers)):
-            raise TransferError(FailureCause.PROTOCOL, (
-                f"layers {msg.layers[:8]}{'...' if len(msg.layers) > 8 else ''}: need distinct layers "
-                f"in [0, {self.num_layers})"))
+        wire.check_transfer_id(msg.transfer_id)
+        wire.check_fingerprint(msg.fingerprint, self.fingerprint, peer="consumer", us="producer")
+        wire.check_layers(msg.layers, self.num_layers)
         if msg.first_block < 0 or msg.num_blocks < 1:
             raise TransferError(FailureCause.PROTOCOL,
                                 f"bad block range first_block={msg.first_block} num_blocks={msg.num_blocks}")

@@ -195,6 +195,26 @@ def check_since(msg: Message, version: int) -> None:
             f"(the server speaks v{PROTOCOL_VERSION})"))
 
 
+# Header checks both ends make of a transfer request (the server of a Read, the landing side of a Push).
+def check_transfer_id(transfer_id: str) -> None:
+    if not transfer_id or len(transfer_id) > 512:
+        raise TransferError(FailureCause.PROTOCOL, f"bad transfer_id {transfer_id[:64]!r}")
+
+
+def check_fingerprint(theirs: str, ours: str, *, peer: str, us: str) -> None:
+    """The KV layout the peer (`peer`: "consumer" / "producer") has must be ours (`us`)."""
+    if theirs != ours:
+        raise TransferError(FailureCause.LAYOUT_MISMATCH, f"{peer} KV layout {theirs} differs from this {us}'s {ours}")
+
+
+def check_layers(layers: list[int], num_layers: int) -> None:
+    """Distinct layer numbers in [0, num_layers), at least one."""
+    if (not layers or len(layers) > num_layers or len(set(layers)) != len(layers)
+            or any(not 0 <= layer < num_layers for layer in layers)):
+        raise TransferError(FailureCause.PROTOCOL, (
+            f"layers {layers[:8]}{'...' if len(layers) > 8 else ''}: need distinct layers in [0, {num_layers})"))
+
+
 def failure_cause(name: str) -> FailureCause:
     """A peer's cause string; one this version does not know (a newer peer) reads as protocol."""
     try:

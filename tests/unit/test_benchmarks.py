@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-os.environ.setdefault("UCX_MODULES", "^ib")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+from kvconnectors.transport.ucx_env import set_cpu_defaults
+
+set_cpu_defaults()
 
 from kvconnectors.benchmarks import tiers, transfer  # noqa: E402
 from kvconnectors.transport.nixl import nixl_import_error  # noqa: E402

@@ -2,19 +2,20 @@
 arena into non-contiguous destination blocks, under our control protocol.
 
 Producers run in spawned processes (a real TieredStore + StoreServer with nixl=True); the consumer
-(StoreClient + NixlSink) runs here. UCX_NET_DEVICES=lo / UCX_MODULES=^ib come from conftest.py.
+(StoreClient + NixlSink) runs here. UCX_NET_DEVICES=lo / UCX_MODULES=^ib come from conftest.py (and
+again here, before NIXL loads, for a run of this file alone).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import socket
 import threading
 import time
 
-os.environ.setdefault("UCX_MODULES", "^ib")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+from kvconnectors.transport.ucx_env import set_cpu_defaults
+
+set_cpu_defaults()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
