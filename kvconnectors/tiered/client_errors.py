@@ -26,7 +26,7 @@ and an SSE event by `GenerateBaseServing._convert_generation_error_to_streaming_
 OpenAI clients ignore keys they do not know. `_raise_if_error` raises a `GenerationError`
 subclass that knows its cause; both converters are wrapped to let vLLM build its body as always
 and add that one key when the exception is ours, so vLLM's message, type and status are untouched.
-The proxy reads the key (integration/proxy.py). With `--disable-log-stats` (no stats channel) or if
+The proxy reads the key (integration/proxy/errors.py). With `--disable-log-stats` (no stats channel) or if
 a later vLLM moves a hook, clients get vLLM's generic error (or the message without the field)
 and the cause is still in the decode instance's log and in `kvconnectors:transfer_failures_total`.
 """

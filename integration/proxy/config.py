@@ -1,0 +1,170 @@
+"""The proxy's settings: ProxyConfig (declared once; its flags are derived from the fields), the
+instance specs, the argparse types that read them, and the argv that writes a config back."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
+
+import msgspec
+from msgspec import Meta
+
+from kvconnectors import settings
+from kvconnectors.cli_types import (LOG_LEVELS, MAX_PORT, log_level, non_negative_int, port_or_zero, positive_float,
+                                    positive_int)
+from kvconnectors.cli_types import port as parse_port
+
+# A request picks its own mode with this header (named in --mode's help, read by the app).
+MODE_HEADER = "X-KV-Transfer-Mode"
+Mode = Literal["pull", "push"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceSpec:
+    url: str                      # http://host:port, no trailing slash
+    kv_addr: str | None = None    # host:port of the instance's KV store (decode, push mode)
+
+
+Seconds = Annotated[float, Meta(gt=0)]
+
+
+def _flag(help: str, *, ge: int | None = None, le: int | None = None, **extra: Any) -> Meta:
+    """A setting's range, help text and how its flag reads (`extra`: the keys of kvconnectors/settings.py)."""
+    return Meta(ge=ge, le=le, description=help, extra=extra)
+
+
+def _format_decode(spec: InstanceSpec) -> str:
+    return spec.url + (f",kv={spec.kv_addr}" if spec.kv_addr else "")
+
+
+class ProxyConfig(msgspec.Struct, kw_only=True):
+    """Every proxy setting, declared once: type and range, default, and the help of its flag
+    (`add_arguments` derives the command line from these fields)."""
+    prefill: Annotated[list[InstanceSpec], _flag(
+        "a prefill (kv_producer) instance, e.g. http://127.0.0.1:8100; repeat for more",
+        parse=parse_prefill, format=lambda s: s.url, repeat=True, metavar="URL")]
+    decode: Annotated[list[InstanceSpec], _flag(
+        "a decode (kv_consumer) instance; kv= is the address of its KV store, needed for push mode; "
+        "repeat for more", parse=parse_decode, format=_format_decode, repeat=True,
+        metavar="URL[,kv=HOST:PORT]")]
+    host: Annotated[str, _flag("address to listen on (0.0.0.0 for all)")] = "127.0.0.1"
+    port: Annotated[int, _flag("port to listen on; 0 picks a free one (the log says which)", ge=0, le=MAX_PORT,
+                               parse=port_or_zero)] = 8000
+    mode: Annotated[Mode, _flag(
+        "pull: decode fetches the KV after prefill; push: prefill pushes it to the chosen decode instance "
+        f"while it computes. Per request: header {MODE_HEADER}")] = "pull"
+    connect_timeout: Annotated[Seconds, _flag("seconds to open a connection to an instance",
+                                              parse=positive_float)] = 5.0
+    prefill_timeout: Annotated[Seconds, _flag("seconds for a whole prefill leg (per attempt)",
+                                              parse=positive_float)] = 300.0
+    decode_timeout: Annotated[Seconds, _flag("seconds for a whole decode leg, streaming included",
+                                             parse=positive_float)] = 3600.0
+    decode_idle_timeout: Annotated[Seconds, _flag("seconds without any byte from the decode instance before "
+                                                  "giving up", parse=positive_float)] = 120.0
+    prefill_retries: Annotated[int, _flag("extra prefill attempts, each on another instance, after a connection "
+                                          "error or 5xx", ge=0, parse=non_negative_int)] = 2
+    health_interval: Annotated[Seconds, _flag("seconds between GET /health rounds over all instances",
+                                              parse=positive_float)] = 5.0
+    health_timeout: Annotated[Seconds, _flag("seconds for one /health probe", parse=positive_float)] = 2.0
+    unhealthy_after: Annotated[int, _flag("failed /health probes in a row before an instance leaves rotation (a "
+                                          "refused connection during a request takes it out at once)",
+                                          ge=1, parse=positive_int)] = 2
+    max_connections: Annotated[int, _flag("upper bound on open upstream connections", ge=1,
+                                          parse=positive_int)] = 1024
+    max_body_bytes: Annotated[int, _flag("largest client request body, in bytes", ge=1, cli=False)] = 64 * 2**20
+    log_level: Annotated[Literal[LOG_LEVELS], _flag("proxy log level, in any case (debug or DEBUG)",
+                                                    parse=log_level)] = "INFO"
+    forward_kv_params: Annotated[tuple[str, ...], _flag(
+        "keys of the client's own kv_transfer_params to pass on to the prefill leg (e.g. kvc_fault for "
+        "TieredConnector's test hooks); none by default", parse=parse_key_list, format=",".join,
+        metavar="KEY[,KEY...]")] = ()
+
+    def __post_init__(self) -> None:
+        settings.check_fields(self)
+
+    def validate(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("need at least one --prefill and one --decode instance")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode {self.mode!r}: expected one of {MODES}")
+        if self.mode == "push":
+            missing = [d.url for d in self.decode if not d.kv_addr]
+            if missing:
+                raise ValueError(f"--mode push needs kv=HOST:PORT on every --decode; missing on {missing}")
+        for flag, specs in (("--prefill", self.prefill), ("--decode", self.decode)):
+            urls = [s.url for s in specs]
+            dups = sorted({u for u in urls if urls.count(u) > 1})
+            if dups:
+                raise ValueError(f"{flag} lists the same instance more than once: {dups}")
+
+
+def parse_url(value: str) -> str:
+    """argparse type: an instance base URL, http(s)://host:port, no path."""
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(
+            f"invalid URL {value!r}: expected http://HOST:PORT (with the scheme), e.g. http://127.0.0.1:8100")
+    try:
+        parts.port
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port in URL {value!r}") from None
+    if parts.path not in ("", "/") or parts.query:
+        raise argparse.ArgumentTypeError(
+            f"invalid URL {value!r}: give the server root (http://HOST:PORT), not a path like /v1")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def parse_key_list(value: str) -> tuple[str, ...]:
+    """argparse type: comma-separated kv_transfer_params keys."""
+    keys = tuple(k.strip() for k in value.split(",") if k.strip())
+    if not keys or not all(k.replace("_", "").isalnum() for k in keys):
+        raise argparse.ArgumentTypeError(f"invalid key list {value!r}: expected KEY[,KEY...] of letters, digits, _")
+    return keys
+
+
+def parse_hostport(value: str) -> str:
+    host, sep, port_text = value.rpartition(":")
+    try:
+        port: int | None = parse_port(port_text)
+    except argparse.ArgumentTypeError:
+        port = None
+    if not sep or not host or port is None:
+        raise argparse.ArgumentTypeError(f"invalid address {value!r}: expected HOST:PORT")
+    return f"{host}:{port}"
+
+
+def parse_prefill(value: str) -> InstanceSpec:
+    return InstanceSpec(parse_url(value))
+
+
+def parse_decode(value: str) -> InstanceSpec:
+    """argparse type: `URL` or `URL,kv=HOST:PORT`."""
+    url, *opts = value.split(",")
+    kv = None
+    for opt in opts:
+        key, _, val = opt.partition("=")
+        if key.strip() != "kv":
+            raise argparse.ArgumentTypeError(f"unknown option {opt!r} in {value!r}: expected URL[,kv=HOST:PORT]")
+        try:
+            kv = parse_hostport(val.strip())
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"invalid kv address {val!r} in {value!r}: expected kv=HOST:PORT") from None
+    return InstanceSpec(parse_url(url), kv)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ProxyConfig setting: --prefill, --decode, --host, --port, --mode, ... (derived)."""
+    settings.add_arguments(parser, ProxyConfig)
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    return settings.from_args(ProxyConfig, args)
+
+
+def config_argv(config: ProxyConfig) -> list[str]:
+    """The command line that `python -m kvconnectors.integration.proxy` parses back into `config`."""
+    return settings.to_argv(config)
