@@ -131,14 +131,18 @@ def test_decode_hanging_up_mid_push_fails_loudly_and_recompute_heals(deep_model,
     assert total(d, "kvconnectors:transfer_failures_total", cause="peer_unreachable") >= 1
 
 
-def test_small_dram_spills_both_sides_and_reports_disk_hits(deep_model, prompts, colocated, tmp_path) -> None:
+def test_small_dram_spills_both_sides_and_reports_disk_hits(deep_model, prompts, control_prompts, colocated,
+                                                            tmp_path) -> None:
     """DRAM budgets far below the workload on both sides: the prefill stages long prompts onto
     NVMe (pushed from there), the decode lands them partly on NVMe; the outputs still equal
     colocated, and the decode attributes the NVMe-held part of the prompts to `disk`."""
     kv = {"kv_connector_extra_config": {**PUSH, "dram_bytes": "2MiB", "nvme_dirs": [str(tmp_path / "nvme")],
-                                        "nvme_bytes": "512MiB", "nvme_create_dirs": True}}
-    with PDCluster(deep_model, transport="tcp", mode="push", kv_extra=kv, log_dir=tmp_path / "logs") as pd:
+                                        "nvme_bytes": "512MiB", "nvme_create_dirs": True, "test_hooks": True}}
+    with PDCluster(deep_model, transport="tcp", mode="push", kv_extra=kv, log_dir=tmp_path / "logs",
+                   proxy_args=["--forward-kv-params", "kvc_fault"]) as pd:
         assert_same_tokens(colocated[:len(prompts)], run_workload(pd, prompts))
+        assert_corrupted_pushes_change_output(pd, control_prompts, colocated[len(prompts):], "corrupt_landed",
+                                              "landed copies read from a small DRAM tier and NVMe")
         statuses = stores_empty(pd)
         assert all(s.entries == 0 and s.nvme_used_bytes == 0 for s in statuses), statuses
         # The stores' accounting (above) shows the NVMe space given back. On disk there is no name

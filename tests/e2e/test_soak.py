@@ -76,6 +76,18 @@ def planned_faults(kv_extra: dict, reads: int) -> Counter:
     return Counter(r.action for r in (plan.decide("read") for _ in range(reads)) if r is not None)
 
 
+def render(report: dict) -> str:
+    """The soak's numbers as the README shows them (pasted from a saved run)."""
+    causes = ", ".join(f"{c} {n}" for c, n in sorted(report["failures_by_cause"].items()))
+    rss = [f"{name} {w} -> {e} MiB ({g:+.2%})" for name, w, e, g in
+           zip(("prefill", "decode"), report["rss_mb_after_warmup"], report["rss_mb_end"], report["rss_growth"])]
+    return "\n".join([
+        f"requests {report['requests']}   completed {report['completed']}   failed {report['failed']} ({causes})   "
+        f"wrong outputs {report['wrong_outputs']} ({report['tokens_compared_per_request']} tokens compared each)",
+        "resident memory after warm-up -> end: " + ", ".join(rss),
+        "no request, KV block, store entry, lease or store connection left on either side"])
+
+
 def test_soak_with_random_faults(tiny_model, prompts, colocated, tmp_path) -> None:
     requests = [prompts["soak"][i % DISTINCT] for i in range(REQUESTS)]
     expected = [colocated["soak"][i % DISTINCT] for i in range(REQUESTS)]
@@ -100,6 +112,7 @@ def test_soak_with_random_faults(tiny_model, prompts, colocated, tmp_path) -> No
               "rss_mb_after_warmup": [round(x / 2**20) for x in rss_warm],
               "rss_mb_end": [round(x / 2**20) for x in rss_end], "rss_growth": [round(g, 4) for g in growth]}
     print("SOAK " + json.dumps(report))
+    print(render(report))
     assert not wrong, f"wrong outputs for requests {wrong[:10]}"
     assert failed, "no fault fired: the soak did not exercise failures"
     assert sum(causes.values()) == len(failed), f"{len(failed)} failed requests, typed causes {causes}"
@@ -122,6 +135,8 @@ def test_the_soaks_judgement_sees_silent_corruption(tiny_model, prompts, colocat
     wrong = wrong_outputs(results, colocated["silent"])
     print("SOAK_SILENT " + json.dumps({"requests": SILENT_REQUESTS, "corrupted_reads": corrupted,
                                        "wrong_outputs": len(wrong), "abnormal": len(abnormal)}))
+    print(f"silent-corruption control: {SILENT_REQUESTS} requests, checksums off, {corrupted} reads corrupted, "
+          f"{len(abnormal)} failed, {len(wrong)} wrong outputs seen")
     assert corrupted >= 10, f"the seeded plan corrupts only {corrupted} reads: too few for a control"
     assert not abnormal, f"with checksums off nothing may fail: {abnormal[:5]}"
     assert len(wrong) >= corrupted - corrupted // 10, (

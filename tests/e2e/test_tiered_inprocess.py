@@ -70,14 +70,19 @@ def test_handoff_equals_colocated(tiny_model, prompts, control_prompts, colocate
         assert set(stats["bytes_by_path"]) == {transport} and stats["bytes_by_path"][transport] > 0, stats
         assert not stats["path_fallbacks"], stats["path_fallbacks"]
 
-        bad = prefill_marked(llm, control_prompts, "corrupt")
-        outs = decode(llm, control_prompts, bad, MAX_TOKENS)
-        assert_control_changed(colocated[len(prompts):], [list(o.outputs[0].token_ids) for o in outs],
-                               [o.outputs[0].finish_reason for o in outs], CONTROL_LENGTHS,
-                               what=f"corrupted {transport} pulls")
+        assert_corrupted_pulls_change_output(llm, control_prompts, colocated[len(prompts):],
+                                             f"corrupted {transport} pulls")
         assert set(w.totals.data["bytes_by_path"]) == {transport}, w.totals.data["bytes_by_path"]
         assert_engine_idle(llm)
         assert w.store.usage()["entries"] == 0
+
+
+def assert_corrupted_pulls_change_output(llm, control_prompts, expected, what: str) -> None:
+    """The negative control on the engine at hand (needs test_hooks): silently corrupted pulls of
+    block-boundary prompts complete normally and decode other tokens."""
+    outs = decode(llm, control_prompts, prefill_marked(llm, control_prompts, "corrupt"), MAX_TOKENS)
+    assert_control_changed(expected, [list(o.outputs[0].token_ids) for o in outs],
+                           [o.outputs[0].finish_reason for o in outs], CONTROL_LENGTHS, what=what)
 
 
 def prefill_marked(llm, prompts: list[list[int]], fault: str) -> list[dict | None]:
@@ -86,11 +91,11 @@ def prefill_marked(llm, prompts: list[list[int]], fault: str) -> list[dict | Non
     return [o.kv_transfer_params for o in outs]
 
 
-def test_chunked_prefill_stages_every_block_once(tiny_model, prompts, colocated) -> None:
+def test_chunked_prefill_stages_every_block_once(tiny_model, prompts, control_prompts, colocated) -> None:
     """Prompts prefilled in 48-token chunks (not block-aligned): intermediate steps stage only the
     whole blocks, the last step the tail; the handoff still equals colocated and every block of
-    every layer is staged exactly once."""
-    with llm_engine(tiny_model, kv_transfer_config=tiered(), max_num_batched_tokens=48,
+    every layer is staged exactly once; corrupted block-boundary prompts change (control)."""
+    with llm_engine(tiny_model, kv_transfer_config=tiered(test_hooks=True), max_num_batched_tokens=48,
                     max_model_len=512) as llm:
         tickets = prefill(llm, prompts)
         stats = worker_connector().connector_worker.totals.data
@@ -99,6 +104,7 @@ def test_chunked_prefill_stages_every_block_once(tiny_model, prompts, colocated)
         assert stats["blocks_staged"] == layers * blocks, (stats["blocks_staged"], layers * blocks)
         outs = decode(llm, prompts, tickets, MAX_TOKENS)
         assert_same_tokens(colocated[:len(prompts)], [list(o.outputs[0].token_ids) for o in outs])
+        assert_corrupted_pulls_change_output(llm, control_prompts, colocated[len(prompts):], "chunked prefill")
         assert_engine_idle(llm)
 
 
@@ -220,11 +226,13 @@ def test_per_request_policy_must_match_the_engine(tiny_model, prompts) -> None:
         assert_engine_idle(llm)
 
 
-def test_dram_budget_far_below_the_workload_spills_to_nvme(tiny_model, prompts, colocated, tmp_path) -> None:
+def test_dram_budget_far_below_the_workload_spills_to_nvme(tiny_model, prompts, control_prompts, colocated,
+                                                           tmp_path) -> None:
     """A 256 KiB DRAM tier (16 blocks of this model) for ~200 blocks of KV: most staged KV lives on
-    disk; the decode outputs still equal colocated, and the store counts spills and NVMe reads."""
+    disk; the decode outputs still equal colocated, and the store counts spills and NVMe reads;
+    corrupted block-boundary prompts change (control)."""
     nvme = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
-    cfg = tiered(dram_bytes="256KiB", nvme_dirs=nvme, nvme_bytes="64MiB", nvme_create_dirs=True)
+    cfg = tiered(dram_bytes="256KiB", nvme_dirs=nvme, nvme_bytes="64MiB", nvme_create_dirs=True, test_hooks=True)
     with llm_engine(tiny_model, kv_transfer_config=cfg) as llm:
         tickets = prefill(llm, prompts)
         store = worker_connector().connector_worker.store
@@ -239,7 +247,8 @@ def test_dram_budget_far_below_the_workload_spills_to_nvme(tiny_model, prompts, 
         # the worker ends
         assert [os.fstat(f.lock_fd).st_nlink for f in store._nvme.files] == [0, 0]
         assert not [p for d in nvme for p in os.listdir(d)], "extent files keep a name while in use"
-    assert_same_tokens(colocated[:len(prompts)], [list(o.outputs[0].token_ids) for o in outs])
+        assert_same_tokens(colocated[:len(prompts)], [list(o.outputs[0].token_ids) for o in outs])
+        assert_corrupted_pulls_change_output(llm, control_prompts, colocated[len(prompts):], "pulls from NVMe")
 
 
 def test_store_full_fails_only_what_does_not_fit(tiny_model, prompts, colocated) -> None:

@@ -111,14 +111,21 @@ def test_pd_servers_equal_colocated(tiny_model, prompts, control_prompts, coloca
     assert not by_label(d, "kvconnectors:path_fallbacks_total", "used"), "a load fell back to another path"
 
 
-def test_spills_and_transfers_show_on_the_servers_metrics(tiny_model, prompts, colocated, tmp_path) -> None:
+def test_spills_and_transfers_show_on_the_servers_metrics(tiny_model, prompts, control_prompts, colocated,
+                                                          tmp_path) -> None:
     """A DRAM tier of 16 blocks for the whole workload: the producer spills to NVMe, the outputs
     still equal colocated, and Prometheus on each server's /metrics shows what happened."""
     kv = {"kv_connector_extra_config": {"dram_bytes": "256KiB", "nvme_dirs": [str(tmp_path / "nvme")],
-                                        "nvme_bytes": "64MiB", "nvme_create_dirs": True}}
-    with PDCluster(tiny_model, transport="tcp", kv_extra=kv, log_dir=tmp_path / "logs") as pd:
+                                        "nvme_bytes": "64MiB", "nvme_create_dirs": True, "test_hooks": True}}
+    with PDCluster(tiny_model, transport="tcp", kv_extra=kv, log_dir=tmp_path / "logs",
+                   proxy_args=FORWARD_FAULT) as pd:
         outs = run_workload(pd, pd.prefill[0].served_model_name, prompts)
         assert_same_tokens(colocated[:len(prompts)], [token_ids(r) for r in outs])
+        bad = run_workload(pd, pd.prefill[0].served_model_name, control_prompts,
+                           kv_transfer_params={"kvc_fault": "corrupt"})
+        assert_control_changed(colocated[len(prompts):], [token_ids(r) for r in bad],
+                               [r["choices"][0]["finish_reason"] for r in bad], CONTROL_LENGTHS,
+                               what="corrupted pulls of KV spilled to NVMe")
         run_workload(pd, pd.prefill[0].served_model_name, prompts[:1])  # a step to report the last reads
         p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
     total = lambda m, name: sum(v for _, v in m.get(name, []))  # noqa: E731
