@@ -26,14 +26,15 @@ class RequestResult:
     token_times: list[float] = field(default_factory=list)  # absolute, for gap-over-time plots
     latency_s: float = 0.0
     error: str | None = None
+    finish_reason: str | None = None  # "length" when all went well (greedy, ignore_eos, max_tokens)
 
 
 async def _one(session: aiohttp.ClientSession, url: str, model: str, index: int, prompt: Sequence[int] | str,
-               max_tokens: int, timeout_s: float) -> RequestResult:
+               max_tokens: int, timeout_s: float, extra_body: dict | None = None) -> RequestResult:
     res = RequestResult(index)
     body = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt),
             "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-            "stream": True}
+            "stream": True, **(extra_body or {})}
     start = time.perf_counter()
     last = start
     try:
@@ -51,7 +52,9 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, index: int,
                     res.error = str(chunk["error"])[:300]
                     break
                 now = time.perf_counter()
-                ids = chunk["choices"][0].get("token_ids") or []
+                choice = chunk["choices"][0]
+                res.finish_reason = choice.get("finish_reason") or res.finish_reason
+                ids = choice.get("token_ids") or []
                 for _ in ids:
                     if res.ttft_s is None:
                         res.ttft_s = now - start
@@ -68,14 +71,15 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, index: int,
 
 async def run_workload_async(url: str, model: str, prompts: Sequence[Sequence[int] | str], max_tokens: int,
                              concurrency: int = 4, timeout_s: float = 300.0, progress: bool = True,
-                             desc: str = "requests") -> list[RequestResult]:
+                             desc: str = "requests", extra_body: dict | None = None) -> list[RequestResult]:
+    """Stream every prompt (at most `concurrency` at once); `extra_body` goes into every request body."""
     sem = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(prompts), desc=desc, unit="req", disable=not progress)
 
     async with aiohttp.ClientSession() as session:
         async def guarded(i: int, p: Sequence[int] | str) -> RequestResult:
             async with sem:
-                r = await _one(session, url, model, i, p, max_tokens, timeout_s)
+                r = await _one(session, url, model, i, p, max_tokens, timeout_s, extra_body)
             bar.update(1)
             return r
 

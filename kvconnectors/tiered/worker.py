@@ -66,6 +66,9 @@ class TieredConnectorWorker:
             raise ConfigError("store_port", config.store_port, (
                 "push mode with tensor parallelism needs a fixed store_port (rank r listens on store_port + r)"))
         self._secret = load_secret(config.secret_file)
+        if config.test_hooks:  # say it loudly: any client of this instance can ask for corrupted KV
+            logger.warning("TieredConnector test_hooks is on: requests may ask for their KV to be corrupted "
+                           "(kv_transfer_params kvc_fault); for tests only, never in production")
         self._compat = wire.compat_hash("tiered")
         self.layout: KVLayout | None = None
         self._blocks: list[np.ndarray] = []

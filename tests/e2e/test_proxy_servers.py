@@ -16,6 +16,7 @@ from kvconnectors.integration.cluster import PDCluster, ProxyThread
 from kvconnectors.integration.workload import run_workload
 from kvconnectors.serving import VllmServer, complete, free_port, post_json, stop_all
 from kvconnectors.testing.compare import assert_same_tokens
+from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import token_prompts
 
@@ -23,6 +24,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 10
 PROXY_FAST = ["--health-interval", "0.5", "--unhealthy-after", "1", "--decode-idle-timeout", "20"]
+CONTROL_LENGTHS = control_lengths(32)
+CORRUPT = {"kv_transfer_params": {"kvc_fault": "corrupt"}}  # TieredConnector's per-request test hook
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +34,26 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_model, prompts) -> list[list[int]]:
+def control_prompts() -> list[list[int]]:
+    return token_prompts(CONTROL_LENGTHS, seed=6)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model, prompts, control_prompts) -> list[list[int]]:
     with llm_engine(tiny_model) as llm:
-        return generate_ids(llm, prompts, MAX_TOKENS)
+        return generate_ids(llm, prompts + control_prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def colocated(references, prompts) -> list[list[int]]:
+    return references[:len(prompts)]
 
 
 @pytest.fixture(scope="module")
 def pd(tiny_model, tmp_path_factory):
-    with PDCluster(tiny_model, proxy_args=PROXY_FAST, log_dir=tmp_path_factory.mktemp("pd")) as cluster:
+    with PDCluster(tiny_model, proxy_args=[*PROXY_FAST, "--forward-kv-params", "kvc_fault"],
+                   kv_extra={"kv_connector_extra_config": {"test_hooks": True}},
+                   log_dir=tmp_path_factory.mktemp("pd")) as cluster:
         yield cluster
 
 
@@ -63,7 +78,24 @@ def test_completions_non_streaming_and_streaming(pd, prompts, colocated) -> None
     assert_same_tokens(colocated, plain, "non-streaming P/D output")
     streamed = run_workload(pd.proxy_url, name, prompts, MAX_TOKENS, concurrency=4, progress=False)
     assert not [r.error for r in streamed if r.error]
+    assert [r.finish_reason for r in streamed] == ["length"] * len(prompts)
     assert_same_tokens(colocated, [r.token_ids for r in streamed], "streaming P/D output")
+
+
+def test_corrupted_requests_change_output_streaming_and_not(pd, prompts, control_prompts, references) -> None:
+    """The negative control of the identity check above, through the same proxy and servers:
+    block-boundary prompts whose KV the test hooks corrupt silently complete normally with other
+    tokens, streamed and not. Seen to fail: with tamper.corrupt a no-op it reports 'decoded identically'."""
+    name, expected = pd.prefill[0].served_model_name, references[len(prompts):]
+    plain = [complete(pd.proxy_url, p, model=name, max_tokens=MAX_TOKENS, **CORRUPT)["choices"][0]
+             for p in control_prompts]
+    assert_control_changed(expected, [c["token_ids"] for c in plain], [c["finish_reason"] for c in plain],
+                           CONTROL_LENGTHS, what="corrupted requests through the proxy, not streamed")
+    streamed = run_workload(pd.proxy_url, name, control_prompts, MAX_TOKENS, concurrency=4, progress=False,
+                            extra_body=CORRUPT)
+    assert not [r.error for r in streamed if r.error]
+    assert_control_changed(expected, [r.token_ids for r in streamed], [r.finish_reason for r in streamed],
+                           CONTROL_LENGTHS, what="corrupted requests through the proxy, streamed")
 
 
 def _chat(url: str, model: str, stream: bool) -> str:
