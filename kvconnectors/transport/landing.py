@@ -31,7 +31,8 @@ from kvconnectors.logs import get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.faults import FaultRule, with_fault
-from kvconnectors.transport.paths import PUSH_UNOFFERED, TCP_PUSH, HungUp, PushPath, hang_up, trailing_bytes
+from kvconnectors.transport.paths import (PUSH_UNOFFERED, TCP_PUSH, HungUp, PushPath, hang_up, offered,
+                                         trailing_bytes)
 
 logger = get_logger(__name__)
 MAX_FAILURES = 10_000              # remembered landing failures (oldest forgotten first)
@@ -222,12 +223,7 @@ class Landing:
         rows = len(msg.layers) * msg.num_blocks
         if msg.checksums is not None and len(msg.checksums) != rows:
             raise TransferError(FailureCause.PROTOCOL, f"{len(msg.checksums)} checksums for {rows} blocks")
-        path = self.paths.get(msg.data_path)
-        if path is None:
-            why = PUSH_UNOFFERED.get(msg.data_path)
-            raise TransferError(FailureCause.PROTOCOL, f"push data_path {msg.data_path!r} {why}" if why
-                                else f"unknown push data_path {msg.data_path!r}")
-        return path
+        return offered(self.paths, msg.data_path, PUSH_UNOFFERED, "push data_path")
 
     def _check_state(self, msg: wire.Push) -> None:
         with self._cond:

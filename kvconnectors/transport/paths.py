@@ -99,9 +99,19 @@ class PushPath(Protocol):
 
 
 # Offered by name: why a server that does not offer a known path refuses it.
-PULL_UNOFFERED = {"shm": "this store has no shm arena",
-                  "nixl": "this producer was not started with transport 'nixl'"}
+PULL_UNOFFERED = {"shm": "asked, but this store has no shm arena",
+                  "nixl": "asked, but this producer was not started with transport 'nixl'"}
 PUSH_UNOFFERED = {"nixl": "sent to a consumer that was not started with transport 'nixl'"}
+
+
+def offered(paths, name: str, unoffered: dict[str, str], what: str):
+    """The data path `name` among those this end offers, or a typed refusal that says why not
+    (one this end could offer but does not, or one nobody knows)."""
+    path = paths.get(name)
+    if path is None:
+        why = unoffered.get(name)
+        raise TransferError(FailureCause.PROTOCOL, f"{what} {name!r} {why}" if why else f"unknown {what} {name!r}")
+    return path
 
 
 def trailing_bytes(push: wire.Push) -> int:

@@ -21,7 +21,8 @@ from kvconnectors.transport import auth, wire
 from kvconnectors.transport.faults import FaultPlan, FaultRule, with_fault
 from kvconnectors.transport.landing import ConnectionState, Landing
 from kvconnectors.transport.nixl import NixlSource
-from kvconnectors.transport.paths import PULL_UNOFFERED, SHM_PULL, TCP_PULL, NixlPull, PullPath, trailing_bytes
+from kvconnectors.transport.paths import (PULL_UNOFFERED, SHM_PULL, TCP_PULL, NixlPull, PullPath, offered,
+                                         trailing_bytes)
 
 logger = get_logger(__name__)
 MAX_RENEW = 4096  # transfer ids per Renew message
@@ -276,12 +277,7 @@ class StoreServer:
         if msg.first_block < 0 or msg.num_blocks < 1:
             raise TransferError(FailureCause.PROTOCOL,
                                 f"bad block range first_block={msg.first_block} num_blocks={msg.num_blocks}")
-        path = self.paths.get(msg.data_path)
-        if path is None:
-            why = PULL_UNOFFERED.get(msg.data_path)
-            raise TransferError(FailureCause.PROTOCOL, f"data_path {msg.data_path!r} asked, but {why}" if why
-                                else f"unknown data_path {msg.data_path!r}")
-        return path
+        return offered(self.paths, msg.data_path, PULL_UNOFFERED, "data_path")
 
     def _wait_sealed(self, tid: str) -> None:
         deadline = time.monotonic() + self.seal_wait_s
