@@ -9,6 +9,8 @@ is usable by name alone: `{"kv_connector": "TieredConnector", ...}`. It also run
 
 from __future__ import annotations
 
+import multiprocessing
+
 from kvconnectors import logs
 from kvconnectors.tiered import client_errors
 
@@ -22,7 +24,10 @@ def setup_process() -> None:
     records go through vLLM's logging (logs.py), and a failed KV load's cause reaches the HTTP
     client's error (tiered/client_errors.py; the patch only acts in the API server)."""
     logs.use_vllm_logging()
-    client_errors.install()
+    # The API server is the process vLLM starts first; its engine core and workers are multiprocessing
+    # children, where the patch would only cost an import of the API-server modules (~0.8 s each).
+    if multiprocessing.parent_process() is None:
+        client_errors.install()
 
 
 def register_with_vllm() -> None:

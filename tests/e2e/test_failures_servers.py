@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvconnectors.integration.cluster import PDCluster
-from kvconnectors.serving import post_json
+from kvconnectors.serving import post_json, read_metrics
 from kvconnectors.testing.compare import assert_same_tokens, first_mismatch
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import token_prompts
@@ -93,6 +93,9 @@ def test_fail_policy_scenarios(tiny_model, prompts, colocated, tmp_path) -> None
         # the client's error says what failed, through the proxy too
         said = sorted(c for i in errors for c in ("checksum_mismatch", "peer_unreachable") if f"[{c}]" in outs[i])
         assert said == ["checksum_mismatch", "peer_unreachable"], [outs[i] for i in errors]
+        # ... and as data: the proxy read each cause from the decode's error body field (kv_transfer_cause)
+        reasons = {lab.get("reason"): v for lab, v in read_metrics(pd.proxy_url).get("kvproxy_decode_failures_total", [])}
+        assert reasons.get("kv_checksum_mismatch") == 1 and reasons.get("kv_peer_unreachable") == 1, reasons
         ok = [i for i in range(8) if i not in errors]
         assert_same_tokens([colocated[i] for i in ok], [outs[i] for i in ok])
         assert failures(pd.decode[0]) == {"checksum_mismatch": 1.0, "peer_unreachable": 1.0}, failures(pd.decode[0])
