@@ -31,6 +31,7 @@ import msgspec
 import numpy as np
 
 from kvconnectors.errors import ConfigError
+from kvconnectors.transport import tamper
 from kvconnectors.transport.paths import HungUp
 
 Action = Literal["drop", "delay", "corrupt", "truncate", "disconnect"]
@@ -111,7 +112,8 @@ def corrupted(block: memoryview) -> bytes:
     """A copy of `block` with every byte flipped (what a stale or misdirected buffer delivers):
     every value changes, sign and exponent included, whatever the dtype, so even a one-block
     prompt decodes differently when the corruption goes unnoticed."""
-    data = np.frombuffer(block.cast("B") if block.format != "B" else block, dtype=np.uint8) ^ np.uint8(0x5A)
+    data = np.frombuffer(block.cast("B") if block.format != "B" else block, dtype=np.uint8).copy()
+    tamper.corrupt(data)  # the one corruption both fault plans and the per-request test hooks apply
     return data.tobytes()
 
 
