@@ -24,13 +24,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 import numpy as np
 import xxhash
 
-from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.transport import wire
 
 if TYPE_CHECKING:
@@ -162,7 +162,14 @@ class TcpPull:
             self._send(server, sock, read, ttl, checksums, outgoing, _layers_from_tiers(store, read))
             return
         last = read.first_block + read.num_blocks
-        with store.pinned_views(read.transfer_id, read.layers) as pv:
+        with ExitStack() as pinned:
+            try:
+                pv = pinned.enter_context(store.pinned_views(read.transfer_id, read.layers))
+            except StoreFullError:
+                # Spilled to NVMe since the caller looked, and DRAM has no room to bring it back:
+                # stream it from the tiers instead (nothing has been sent yet).
+                self._send(server, sock, read, ttl, checksums, outgoing, _layers_from_tiers(store, read))
+                return
             # a few views of contiguous arena runs per layer, not one per block (cheaper to build)
             layers = (pv.run_views(layer, read.first_block, last) for layer in read.layers)
             self._send(server, sock, read, ttl, checksums, outgoing, layers)
