@@ -36,7 +36,7 @@ from kvconnectors.store.policy import pick_victims, spillable_slots
 from kvconnectors.store.sizes import format_size
 from kvconnectors.store.stats import StoreStats
 from kvconnectors.store.tombstones import Tombstones
-from kvconnectors.store.views import PinnedEntry
+from kvconnectors.store.views import PinnedEntry, WriteTarget
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _CLOSE_WAIT_S = 10.0
@@ -94,6 +94,11 @@ class TieredStore:
     @property
     def arena_base_address(self) -> int:
         return self._arena.base_address
+
+    def arena_slots(self) -> np.ndarray:
+        """The DRAM arena as uint8 [num_slots, slot_bytes] (to page-lock it; writers go through
+        begin_write, readers through pinned_views)."""
+        return self._arena.slots
 
     @property
     def arena_bytes(self) -> int:
@@ -164,6 +169,19 @@ class TieredStore:
         into (layer, first_block .. first_block+n-1) of an unsealed entry. With a list of layers,
         data holds n slots per layer, layer after layer (one call for a whole layer group)."""
         src = as_slots(data, self.slot_bytes, writable=False, what="write data")
+        target = self.begin_write(key, layer, first_block, src.shape[0])
+        ok = False
+        try:
+            for pos, slot, n in target.dram_runs:
+                np.copyto(target.slots[slot:slot + n], src[pos:pos + n])
+            ok = True
+        finally:
+            self.end_write(target, src[target.nvme_pos] if ok else None, ok=ok)
+
+    def begin_write(self, key: str, layer: int | Sequence[int], first_block: int, rows: int) -> WriteTarget:
+        """Reserve `rows` slots of an unsealed entry for a writer that copies into the DRAM arena
+        itself (the mover's device->host copy lands in the slots directly): the entry holds still
+        until `end_write`, which writes the rows that live on NVMe and marks the slots written."""
         with self._cond:
             try:
                 e = self._live(key)
@@ -172,16 +190,31 @@ class TieredStore:
                 raise
             if e.sealed:
                 raise ValueError(f"transfer {key!r} is sealed; its bytes cannot change")
-            idx = self._positions(e, layer, first_block, src.shape[0])
+            idx = self._positions(e, layer, first_block, rows)
             e.io += 1
             e.writes += 1
             loc = e.loc[idx].copy()
-        ok = False
+        return WriteTarget(e, idx, loc, self._arena.slots)
+
+    def end_write(self, target: WriteTarget, nvme_rows: np.ndarray | None, *, ok: bool = True) -> None:
+        """Finish `begin_write`: `nvme_rows` are the rows at `target.nvme_pos` (they go to disk);
+        ok=False gives the slots back unwritten (a failed copy)."""
+        e, loc = target.entry, target.loc
+        d_bytes = n_bytes = 0
         try:
-            d_bytes, n_bytes = self._move(loc, src, to_store=True)
-            ok = True
+            if ok and target.nvme_pos.size:
+                if nvme_rows is None or nvme_rows.shape[0] != target.nvme_pos.size:
+                    raise ValueError(f"{target.nvme_pos.size} rows live on NVMe, got "
+                                     f"{None if nvme_rows is None else nvme_rows.shape[0]}")
+                self._nvme.write(ext_of(loc[target.nvme_pos]), SlotRows(nvme_rows, np.arange(target.nvme_pos.size)))
+            d_bytes = (loc.size - target.nvme_pos.size) * self.slot_bytes
+            n_bytes = target.nvme_pos.size * self.slot_bytes
         except OSError:
+            ok = False
             self.stats.failure("io_error")
+            raise
+        except BaseException:
+            ok = False
             raise
         finally:
             with self._cond:
@@ -189,11 +222,11 @@ class TieredStore:
                 e.writes -= 1
                 ended = e.ended
                 if ok and ended is None:
-                    e.written[idx] = True
+                    e.written[target.idx] = True
                 self._settle(e)
         if ended is not None:
             self.stats.failure("lease_expired")
-            raise LeaseExpiredError(f"transfer {key!r} ended ({ended}) while it was being written")
+            raise LeaseExpiredError(f"transfer {e.key!r} ended ({ended}) while it was being written")
         self.stats.add(puts=1, bytes_written_dram=d_bytes, bytes_written_nvme=n_bytes)
 
     def seal(self, key: str, checksums: dict | None = None) -> None:

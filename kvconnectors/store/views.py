@@ -4,9 +4,11 @@ a zero-copy sender (sendmsg, NIXL descriptors, a same-host shm reader) needs. Va
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from kvconnectors.store.buffers import runs
+from kvconnectors.store.buffers import paired_runs, runs
 
 
 class PinnedEntry:
@@ -74,3 +76,20 @@ class PinnedEntry:
     def close(self) -> None:
         self._open = False
         self._slots = None  # type: ignore[assignment]
+
+
+class WriteTarget:
+    """Slots reserved by `TieredStore.begin_write`: rows at `dram_runs` go straight into the DRAM
+    arena (`slots[slot:slot+n] = rows[pos:pos+n]`); rows at `nvme_pos` go to `end_write`."""
+
+    def __init__(self, entry: Any, idx: Any, loc: np.ndarray, slots: np.ndarray):
+        self.entry, self.idx, self.loc, self.slots = entry, idx, loc, slots
+        in_dram = loc >= 0
+        pos = np.flatnonzero(in_dram)
+        self.nvme_pos = np.flatnonzero(~in_dram)
+        # (row position, first slot, count) per run of consecutive slots
+        self.dram_runs: list[tuple[int, int, int]] = list(paired_runs(pos, loc[pos])) if pos.size else []
+
+    @property
+    def rows(self) -> int:
+        return int(self.loc.size)

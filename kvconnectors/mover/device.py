@@ -1,0 +1,251 @@
+"""The device operations the mover needs, behind one small interface: a copy stream, events,
+and page-locked host memory.
+
+Two implementations with the same asynchronous contract: `CudaOps` (a dedicated CUDA copy
+stream, CUDA events, cudaHostRegister) and `CpuOps`, whose copy stream is a real thread and
+whose events complete when that thread has run the copy, so CI exercises the contract that a
+GPU run relies on: enqueueing returns at once, completion is observed only through the event.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kvconnectors.errors import ConfigError
+from kvconnectors.logs import get_logger
+
+logger = get_logger(__name__)
+
+
+class CopyEvent(ABC):
+    """A point on a stream: done once every copy enqueued before it has completed."""
+
+    @abstractmethod
+    def done(self) -> bool: ...
+
+    @abstractmethod
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until done; TimeoutError after timeout_s; re-raises a failed copy's error."""
+
+
+class DoneEvent(CopyEvent):
+    """Nothing to wait for (e.g. the forward of a CPU engine, which is synchronous)."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        return None
+
+
+class FutureEvent(CopyEvent):
+    def __init__(self, future: Future):
+        self.future = future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        try:
+            self.future.result(timeout=timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"copy not done after {timeout_s:.3f}s") from None
+
+
+class DeviceOps(ABC):
+    """Copy stream, events and host memory of one device type."""
+
+    device_type: str
+    # A CPU engine's next forward writes the same memory at once: wait_for_save must block there.
+    # On CUDA the forward stream is made to wait for the copy event instead (no host wait).
+    host_waits_for_save: bool
+
+    @abstractmethod
+    def forward_event(self) -> CopyEvent:
+        """An event at the current point of the forward stream (the layer just computed)."""
+
+    @abstractmethod
+    def enqueue(self, copy: Callable[[], None], after: CopyEvent | None = None) -> CopyEvent:
+        """Run `copy` (torch copies) on the copy stream once `after` is done; returns at once
+        with an event that is done when the copies are."""
+
+    @abstractmethod
+    def order_forward_after(self, event: CopyEvent) -> None:
+        """Make later work on the forward stream wait for `event` (CPU: the host waits)."""
+
+    @abstractmethod
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """A page-locked host buffer (uint8) that async copies may use."""
+
+    @abstractmethod
+    def pin(self, array: np.ndarray, what: str) -> bool:
+        """Page-lock existing host memory for async DMA; False (said once) when it cannot be."""
+
+    def index(self, ids: np.ndarray) -> torch.Tensor:
+        """Block ids as an index tensor on the device."""
+        return torch.as_tensor(np.ascontiguousarray(ids, dtype=np.int64))
+
+    @abstractmethod
+    def gather(self, src: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
+        """out (host, contiguous) = src.index_select(dim, ids): one batched copy; call inside `enqueue`."""
+
+    @abstractmethod
+    def scatter(self, rows: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
+        """dst[ids] = rows (host): one batched copy; call inside `enqueue`."""
+
+    def close(self) -> None:
+        return None
+
+
+class CpuOps(DeviceOps):
+    """vLLM's CPU backend: a copy thread is the stream (FIFO, like a CUDA stream)."""
+
+    device_type = "cpu"
+    host_waits_for_save = True
+
+    def __init__(self, name: str = "kvc-copy"):
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def forward_event(self) -> CopyEvent:
+        return DoneEvent()
+
+    def enqueue(self, copy: Callable[[], None], after: CopyEvent | None = None) -> CopyEvent:
+        def run() -> None:
+            if after is not None:
+                after.wait()
+            copy()
+        return FutureEvent(self._thread.submit(run))
+
+    def order_forward_after(self, event: CopyEvent) -> None:
+        event.wait()
+
+    def gather(self, src: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
+        torch.index_select(src, dim, ids, out=out)  # straight into the destination: one copy
+
+    def scatter(self, rows: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
+        dst.index_copy_(0, ids, rows)
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def pin(self, array: np.ndarray, what: str) -> bool:
+        return True  # host memory is what a CPU engine copies from and to
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+class CudaEvent(CopyEvent):
+    def __init__(self, event: "torch.cuda.Event"):
+        self.event = event
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if timeout_s is None:
+            self.event.synchronize()
+            return
+        deadline = time.monotonic() + timeout_s
+        pause = 20e-6
+        while not self.event.query():  # poll: Event.synchronize() has no timeout
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"CUDA copy not done after {timeout_s:.3f}s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+
+class CudaOps(DeviceOps):
+    """A dedicated copy stream per worker; the forward stream is never synchronized."""
+
+    device_type = "cuda"
+    host_waits_for_save = False
+
+    def __init__(self, device: torch.device | int | None = None):
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else
+                                   torch.device(device).index or 0)
+        self.stream = torch.cuda.Stream(device=self.device)
+        self._pinned: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    def forward_event(self) -> CopyEvent:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return CudaEvent(ev)
+
+    def enqueue(self, copy: Callable[[], None], after: CopyEvent | None = None) -> CopyEvent:
+        with self._lock, torch.cuda.stream(self.stream):  # callers on several threads share the stream
+            if isinstance(after, CudaEvent):
+                self.stream.wait_event(after.event)
+            elif after is not None:
+                after.wait()
+            copy()
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return CudaEvent(ev)
+
+    def order_forward_after(self, event: CopyEvent) -> None:
+        if isinstance(event, CudaEvent):
+            torch.cuda.current_stream(self.device).wait_event(event.event)
+        else:
+            event.wait()
+
+    def gather(self, src: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
+        # gather on the device (HBM bandwidth), then one DMA into page-locked host memory
+        out.copy_(src.index_select(dim, ids), non_blocking=True)
+
+    def scatter(self, rows: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
+        dst.index_copy_(0, ids, rows.to(self.device, non_blocking=True))
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+    def index(self, ids: np.ndarray) -> torch.Tensor:
+        host = torch.as_tensor(np.ascontiguousarray(ids, dtype=np.int64)).pin_memory()
+        return host.to(self.device, non_blocking=True)
+
+    def pin(self, array: np.ndarray, what: str) -> bool:
+        nbytes = array.nbytes
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if soft != resource.RLIM_INFINITY and soft < nbytes:
+            self._say_once(what, f"cannot page-lock {what} ({nbytes} B): RLIMIT_MEMLOCK is {soft} B "
+                                 "(raise it with `ulimit -l unlimited` or the container's memlock limit); "
+                                 "copies go through a pinned bounce buffer instead")
+            return False
+        ptr = array.ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            self._say_once(what, f"cudaHostRegister of {what} ({nbytes} B) failed with error {int(err)}; "
+                                 "copies go through a pinned bounce buffer instead")
+            return False
+        self._pinned.append((ptr, nbytes))
+        return True
+
+    def _say_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning(message)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        for ptr, _ in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._pinned.clear()
+
+
+def ops_for(device_type: str) -> DeviceOps:
+    """The device operations for a registered cache's device type."""
+    if device_type == "cuda":
+        return CudaOps()
+    if device_type in ("cpu", "meta"):
+        return CpuOps()
+    raise ConfigError("kv_caches", device_type, "TieredConnector moves KV caches on cpu or cuda devices only")

@@ -1,0 +1,92 @@
+"""Loader: host bytes -> the engine's KV blocks.
+
+Where the engine's cache is host memory and each block one run (vLLM's CPU backend), a data path
+lands bytes in the blocks themselves: `direct_rows` / `direct_addrs` (no copy here at all).
+Otherwise the bytes land in a page-locked host buffer (`landing_buffer`) and `load` enqueues one
+batched host->device scatter per layer on the copy stream; the load counts as finished only when
+its event is done.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvconnectors.mover.device import CopyEvent, DeviceOps
+from kvconnectors.mover.geometry import BlockGeometry
+
+
+class Loader:
+    def __init__(self, geometry: BlockGeometry, ops: DeviceOps, *, pool_bytes: int = 256 << 20):
+        self.geometry, self.ops = geometry, ops
+        self.direct = geometry.device == "cpu" and geometry.block_contiguous
+        # per layer: a uint8 [num_blocks, block_bytes] numpy view of the cache (direct mode only)
+        self._rows = ([torch.as_strided(v, (geometry.num_blocks, geometry.block_bytes),
+                                        (geometry.block_stride, 1)).numpy() for v in geometry.views]
+                      if self.direct else [])
+        self._pool_bytes = pool_bytes
+        self._free: list[np.ndarray] = []  # page-locked buffers kept for reuse (pinning is slow)
+        self._lent: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    # -- direct landing (host caches) ------------------------------------------------------------
+    def direct_rows(self, layers: Sequence[int], block_ids: Sequence[int]) -> list[memoryview] | None:
+        """Writable views of each (layer, block) of the cache, layer after layer; None when bytes
+        cannot land in the cache directly (device memory, or blocks split in runs)."""
+        if not self.direct:
+            return None
+        return [memoryview(self._rows[layer][b]) for layer in layers for b in block_ids]
+
+    def direct_addrs(self, layers: Sequence[int], block_ids: Sequence[int]) -> np.ndarray | None:
+        """Addresses of the same rows (for NIXL descriptors), layer after layer."""
+        if not self.direct:
+            return None
+        base = np.array([self._rows[layer].ctypes.data for layer in layers], dtype=np.uint64)
+        ids = np.asarray(block_ids, dtype=np.uint64)
+        return (base[:, None] + ids[None, :] * np.uint64(self.geometry.block_stride)).reshape(-1)
+
+    def host_arrays(self) -> list[np.ndarray]:
+        """The cache's per-layer host row views (direct mode): what a NIXL agent registers."""
+        return list(self._rows)
+
+    # -- staged landing (device caches) ----------------------------------------------------------
+    def landing_buffer(self, rows: int) -> np.ndarray:
+        """A page-locked uint8 [rows, block_bytes] buffer; give it back with `release_buffer`."""
+        need = rows * self.geometry.block_bytes
+        with self._lock:
+            flat = next((b for b in self._free if b.size >= need), None)
+            if flat is not None:
+                self._free.remove(flat)
+        if flat is None:
+            flat = self.ops.host_buffer(need)
+        view = flat[:need].reshape(rows, self.geometry.block_bytes)
+        with self._lock:
+            self._lent[id(view)] = flat
+        return view
+
+    def release_buffer(self, buf: np.ndarray) -> None:
+        with self._lock:
+            flat = self._lent.pop(id(buf), None)
+            if flat is not None and sum(b.size for b in self._free) + flat.size <= self._pool_bytes:
+                self._free.append(flat)
+
+    def load(self, rows: np.ndarray, layers: Sequence[int], block_ids: Sequence[int],
+             after: CopyEvent | None = None) -> CopyEvent:
+        """Enqueue rows (uint8 [len(layers) * n, block_bytes], layer after layer) into the blocks."""
+        layers = tuple(int(x) for x in layers)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        n = ids.size
+        if rows.shape != (len(layers) * n, self.geometry.block_bytes):
+            raise ValueError(f"rows {rows.shape} do not hold {len(layers)} layers x {n} blocks of "
+                             f"{self.geometry.block_bytes} B")
+        host = torch.from_numpy(rows)
+
+        def copy() -> None:
+            index = self.ops.index(ids)
+            for i, layer in enumerate(layers):
+                dst = self.geometry.views[layer]
+                self.ops.scatter(host[i * n:(i + 1) * n].view(n, *dst.shape[1:]), dst, index)
+        return self.ops.enqueue(copy, after)
