@@ -131,6 +131,9 @@ class EngineHarness:
         self.worker_outputs: list[Any] = []
         self.on_step: list[Any] = []    # callbacks(scheduler_output, kv_connector_output) after each worker step
         self.on_layer: list[Any] = []   # callbacks(scheduler_output, layer_name) right after wait_for_layer_load
+        # False: the per-layer hooks never run, as in a replayed full CUDA graph (vLLM skips the
+        # Python of attention layers then); start_load_kv and wait_for_save still do
+        self.layer_hooks = True
         self._closed = False
 
     # ---------------------------------------------------------------- the model runner
@@ -151,7 +154,7 @@ class EngineHarness:
             if so.has_sync_kv_loads:
                 w.start_load_kv(fc)
             try:
-                if tokens and w.has_connector_metadata():
+                if tokens and w.has_connector_metadata() and self.layer_hooks:
                     for layer, kv in self.kv_caches.items():
                         w.wait_for_layer_load(layer)
                         for cb in self.on_layer:

@@ -131,7 +131,8 @@ class CpuOps(DeviceOps):
         torch.index_select(src, dim, ids, out=out)  # straight into the destination: one copy
 
     def scatter(self, rows: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
-        dst.index_copy_(0, ids, rows)
+        # numpy's fancy assignment copies whole rows; torch's index_copy_ goes byte by byte on uint8
+        dst.numpy()[ids.numpy()] = rows.numpy()
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)

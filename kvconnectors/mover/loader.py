@@ -57,9 +57,8 @@ class Loader:
         """A page-locked uint8 [rows, block_bytes] buffer; give it back with `release_buffer`."""
         need = rows * self.geometry.block_bytes
         with self._lock:
-            flat = next((b for b in self._free if b.size >= need), None)
-            if flat is not None:
-                self._free.remove(flat)
+            i = next((i for i, b in enumerate(self._free) if b.size >= need), None)
+            flat = self._free.pop(i) if i is not None else None
         if flat is None:
             flat = self.ops.host_buffer(need)
         view = flat[:need].reshape(rows, self.geometry.block_bytes)

@@ -23,6 +23,7 @@ from kvconnectors.store.sizes import size_setting
 Transport = Literal["tcp", "shm", "nixl"]
 TransferMode = Literal["pull", "push"]
 FailurePolicy = Literal["fail", "recompute", "retry"]
+Piecewise = Literal["auto", "on", "off"]
 TRANSPORTS: tuple[str, ...] = typing.get_args(Transport)
 TRANSFER_MODES: tuple[str, ...] = typing.get_args(TransferMode)
 FAILURE_POLICIES: tuple[str, ...] = typing.get_args(FailurePolicy)
@@ -63,6 +64,9 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
     retry_backoff_s: Annotated[Seconds, _doc("first back-off, doubled each attempt")] = 0.1
     fault_injection: Annotated[list[dict] | None, _doc("tests and chaos runs only; see transport/faults.py")] = None
     test_hooks: Annotated[bool, _doc("tests only: honour per-request kvc_fault (transport/tamper.py)")] = False
+    cudagraph_piecewise: Annotated[Piecewise, _doc(
+        "CUDA graphs: on = force PIECEWISE (per-layer hooks run), off = keep full graphs, auto = on for "
+        "push mode; set off on push-mode decode instances")] = "auto"
 
     def __post_init__(self) -> None:
         settings.check_fields(self)  # types and ranges as declared above
@@ -96,6 +100,17 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
                 f"differs from vLLM's kv_load_failure_policy={engine_policy!r}, which decides what a failed "
                 f"load does; set kv_load_failure_policy to {self.failure_policy!r} (top level of "
                 "--kv-transfer-config), or use failure_policy 'retry' to retry before it applies"))
+
+    @property
+    def piecewise(self) -> bool:
+        """Whether vLLM must run PIECEWISE CUDA graphs: a push producer streams layer groups from
+        save_kv_layer, which a replayed full graph skips. vLLM asks before it knows the role."""
+        return self.cudagraph_piecewise == "on" or (self.cudagraph_piecewise == "auto" and
+                                                    self.transfer_mode == "push")
+
+    @classmethod
+    def wants_piecewise(cls, extra: dict[str, Any] | None) -> bool:
+        return cls.from_extra(extra).piecewise
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "TieredConfig":

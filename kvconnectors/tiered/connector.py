@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
+from kvconnectors.mover.geometry import PREFERRED_LAYOUT  # noqa: E402
 from kvconnectors.tiered.config import TieredConfig  # noqa: E402
 from kvconnectors.tiered.metadata import TieredConnectorMetadata  # noqa: E402
 from kvconnectors.tiered.scheduler import TieredConnectorScheduler  # noqa: E402
@@ -89,10 +90,19 @@ class TieredConnector(KVConnectorBase_V1):
         return self.connector_scheduler.hit_sources(request, num_external_tokens)
 
     @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        # Every block of a layer one contiguous run: one memcpy (CPU) or one DMA row (GPU) per
+        # block, and what NixlConnector asks for too. MLA has one head: any layout is one run.
+        use_mla = bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
+        return None if use_mla else PREFERRED_LAYOUT
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # Push mode stages and sends from save_kv_layer between layers; a captured full graph
-        # would skip those calls on replay.
-        return (extra_config or {}).get("transfer_mode", "pull") == "push"
+        # vLLM passes only kv_connector_extra_config here, so the role comes from the config
+        # (cudagraph_piecewise, tiered/README.md): push producers stream layer groups from
+        # save_kv_layer, which a replayed full graph skips; pull mode and decode instances keep
+        # full graphs (layers a graph skipped are staged in wait_for_save, after the forward).
+        return TieredConfig.wants_piecewise(extra_config)
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.connector_scheduler is not None:

@@ -24,14 +24,14 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-import xxhash
 
 from kvconnectors.errors import ConfigError, FailureCause, StoreFullError, TransferError
 from kvconnectors.logs import get_logger
 from kvconnectors.store import StoreConfig, TieredStore
 from kvconnectors.store.reaper import Reaper
 from kvconnectors.tiered.config import TieredConfig
-from kvconnectors.tiered.layout import KVLayout, block_arrays, detect_layout
+from kvconnectors.mover import BlockGeometry, CopyEvent, DeviceOps, Loader, Stager, ops_for
+from kvconnectors.tiered.layout import KVLayout, detect_layout
 from kvconnectors.tiered.metadata import RecvSpec, SaveSpec, TieredConnectorMetadata, TieredHandshakeMetadata
 from kvconnectors.tiered.params import TransferParams
 from kvconnectors.tiered.stats import TieredStats
@@ -59,20 +59,29 @@ class TieredConnectorWorker:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         names = getattr(vllm_config.model_config, "served_model_name", None) or ""
         self._model_name = names[0] if isinstance(names, (list, tuple)) else str(names)
+        self._vllm_config = vllm_config
         resolve = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
-        self._cache_layout = str(resolve()) if resolve else "unknown"
+        resolved = resolve() if resolve else None
+        self._cache_layout = getattr(resolved, "name", None) or (str(resolved) if resolved else "unknown")
+        self._cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
         if config.transfer_mode == "push" and self.is_consumer and self.tp_size > 1 and not config.store_port:
             # rank r's landing store listens on store_port + r, derived by the prefill side from push_target
             raise ConfigError("store_port", config.store_port, (
                 "push mode with tensor parallelism needs a fixed store_port (rank r listens on store_port + r)"))
         self._secret = load_secret(config.secret_file)
+        if config.piecewise and self.is_consumer and not self.is_producer and config.cudagraph_piecewise == "auto":
+            logger.warning("TieredConnector: this decode instance runs PIECEWISE CUDA graphs because push mode "
+                           "forces them for producers (vLLM decides before it knows the role); set "
+                           "cudagraph_piecewise 'off' in its kv_connector_extra_config to keep full graphs")
         if config.test_hooks:  # say it loudly: any client of this instance can ask for corrupted KV
             logger.warning("TieredConnector test_hooks is on: requests may ask for their KV to be corrupted "
                            "(kv_transfer_params kvc_fault); for tests only, never in production")
         self._compat = wire.compat_hash("tiered")
         self.layout: KVLayout | None = None
-        self._blocks: list[np.ndarray] = []
-        self._block_base = self._block_stride = np.empty(0, dtype=np.uint64)
+        self.geometry: BlockGeometry | None = None
+        self.ops: DeviceOps | None = None
+        self.stager: Stager | None = None   # producer: KV blocks -> store slots
+        self.loader: Loader | None = None   # consumer: host bytes -> KV blocks
         self._layer_index: dict[str, int] = {}
         self.store: TieredStore | None = None
         self.server: StoreServer | None = None
@@ -81,10 +90,10 @@ class TieredConnectorWorker:
         # producer staging state (staging thread; the forward thread once it has drained)
         self._checksums: dict[str, np.ndarray] = {}
         self._staging_failed: dict[str, TransferError] = {}
-        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-stage")
+        self._stager_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvc-stage")
         self._staging: list = []                     # this step's copy futures
         self._push_layers: dict[str, list[int]] = {}  # transfer -> staged layers not yet pushed
-        self._layers_this_step: dict[str, int] = {}   # transfer -> layers staged in this step
+        self._layers_this_step: dict[str, set[int]] = {}  # transfer -> layers staged in this step
         self._push_targets: dict[str, tuple[str, int]] = {}
         self._stage_lock = threading.RLock()
         self.pusher: PushSender | None = None
@@ -102,6 +111,7 @@ class TieredConnectorWorker:
             nixl_transport.require_nixl()
         self._nixl_pull: NixlPull | None = None  # holds this process's consumer NIXL agent
         self._nixl_lock = threading.Lock()
+        self._warned_nixl_device = False
         self.inflight_loads = 0
 
     # ------------------------------------------------------------------ start-up
@@ -109,13 +119,11 @@ class TieredConnectorWorker:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
-        self.layout = detect_layout(kv_caches, self.block_size, self._cache_layout, self.tp_size, tp_rank,
-                                    model=self._model_name)
-        self._blocks = block_arrays(kv_caches)
-        # per layer: address of block 0 and the block stride, so a nixl pull computes its
-        # destination addresses in one numpy expression instead of one lookup per block
-        self._block_base = np.array([a.ctypes.data for a in self._blocks], dtype=np.uint64)
-        self._block_stride = np.array([a.strides[0] for a in self._blocks], dtype=np.uint64)
+        self.layout, self.geometry = detect_layout(
+            kv_caches, self.block_size, self._cache_layout, self.tp_size, tp_rank, model=self._model_name,
+            backend=_attention_backend(self._vllm_config), cache_dtype=self._cache_dtype)
+        self.ops = ops_for(self.geometry.device)
+        self.loader = Loader(self.geometry, self.ops)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         landing = self.is_consumer and self.config.transfer_mode == "push"
         if not (self.is_producer or landing):
@@ -126,6 +134,10 @@ class TieredConnectorWorker:
             slot_bytes=self.layout.block_bytes, dram_bytes=cfg.dram_bytes, nvme_dirs=cfg.nvme_dirs,
             nvme_bytes=cfg.nvme_bytes, nvme_create_dirs=cfg.nvme_create_dirs, lease_ttl_s=cfg.lease_ttl_s, instance_name=f"{cfg.instance_name}{tp_rank}",
             shm_name=f"kvc_{safe}_{tp_rank}_{os.getpid()}" if cfg.transport == "shm" else None))
+        if self.is_producer:
+            self.stager = Stager(self.geometry, self.store, self.ops, checksum=cfg.checksum)
+        elif self.store.arena_slots().size:  # the landing store: landed copies go host->device from it
+            self.ops.pin(self.store.arena_slots(), "the landing store's DRAM arena")
         # Expiry is the backstop for consumers that never come: check a few times per TTL.
         self._reaper = Reaper(self.store, interval_s=min(1.0, cfg.lease_ttl_s / 4)).start()
         port = cfg.store_port + tp_rank if cfg.store_port else 0
@@ -145,9 +157,10 @@ class TieredConnectorWorker:
                                      num_layers=self.layout.num_layers, client_factory=self._client,
                                      timeout_s=cfg.load_timeout_s, on_done=self._push_done,
                                      path=NixlPush(source=self.server.nixl) if self.server.nixl else TCP_PUSH)
-        logger.info("TieredConnector store: %s DRAM, serving %s:%d (%s%s), block %d B x %d layers",
-                    cfg.dram_bytes, cfg.bind_host, self.server.port, cfg.transport,
-                    ", accepts pushes" if landing else "", self.layout.block_bytes, self.layout.num_layers)
+        logger.info("TieredConnector store: %s DRAM, serving %s:%d (%s%s), block %d B x %d layers "
+                    "(%s %s %s on %s)", cfg.dram_bytes, cfg.bind_host, self.server.port, cfg.transport,
+                    ", accepts pushes" if landing else "", self.layout.block_bytes, self.layout.num_layers,
+                    self.geometry.backend, self.geometry.layout, self._cache_dtype, self.geometry.device)
 
     def get_handshake_metadata(self) -> TieredHandshakeMetadata | None:
         if self.server is None or self.layout is None:
@@ -160,24 +173,32 @@ class TieredConnectorWorker:
     def save_kv_layer(self, meta: TieredConnectorMetadata, layer_name: str) -> None:
         """Called after each attention layer: hand its new blocks to the staging thread and return
         (later layers never touch this layer's blocks, so they may be copied meanwhile)."""
-        if not meta.saves or self.store is None:
+        if not meta.saves or self.stager is None:
             return
         layer = self._layer_index.get(layer_name)
         if layer is not None:
-            self._staging.append(self._stager.submit(self._stage_layer, layer, meta.saves))
+            # the copy stream waits for this point of the forward stream, not the host
+            after = self.ops.forward_event()
+            self._staging.append(self._stager_thread.submit(self._stage_layers, [layer], meta.saves, after))
 
-    def _stage_layer(self, layer: int, saves: list[SaveSpec]) -> None:
+    def _stage_layers(self, layers: list[int], saves: list[SaveSpec], after: CopyEvent | None,
+                      missing_only: bool = False) -> None:
         with self._stage_lock:  # the push sender may fail a transfer meanwhile
             for spec in saves:
+                todo = layers
+                if missing_only:  # the step's end: layers whose per-layer hook never ran
+                    staged = self._layers_this_step.get(spec.transfer_id, set())
+                    todo = [x for x in layers if x not in staged]
+                if not todo:
+                    continue
                 try:
-                    self._stage_spec(layer, spec)
+                    self._stage_spec(todo, spec, after)
                 except Exception as exc:  # a bug must fail this transfer, not the engine (wait_for_save)
-                    logger.exception("staging layer %d of %s failed", layer, spec.transfer_id)
+                    logger.exception("staging layers %s of %s failed", todo[:4], spec.transfer_id)
                     self._fail_staging(spec.transfer_id,
                                        TransferError(FailureCause.PROTOCOL, f"internal error: {exc!r}"))
 
-    def _stage_spec(self, layer: int, spec: SaveSpec) -> None:
-        src = self._blocks[layer]
+    def _stage_spec(self, layers: list[int], spec: SaveSpec, after: CopyEvent | None) -> None:
         tid = spec.transfer_id
         if tid in self._staging_failed or not spec.block_ids:
             return
@@ -187,23 +208,25 @@ class TieredConnectorWorker:
                 self._checksums[tid] = np.zeros((self.layout.num_layers, spec.total_blocks), np.uint64)
                 if spec.push_target:
                     self._push_targets[tid] = self._rank_target(spec.push_target)
-            data = src[spec.block_ids]  # one gather copy of whole blocks
-            self.store.write(tid, layer, spec.first_block, data)
+            # one batched gather per layer, straight into the entry's slots, then checksums
+            copy = self.stager.stage(tid, layers, spec.first_block, spec.block_ids, after)
+            sums = self.stager.complete(copy, self.config.load_timeout_s)
         except TransferError as exc:
             self._fail_staging(tid, exc)
             return
-        except (OSError, ValueError) as exc:  # a disk error or a bad spec fails this transfer, not the engine
+        except (OSError, ValueError, TimeoutError) as exc:  # a disk error or a bad spec fails this transfer
             self._fail_staging(tid, TransferError(FailureCause.PROTOCOL, f"staging error: {exc!r}"))
             return
-        sums = self._checksums[tid][layer]
-        for i, row in enumerate(data):
-            sums[spec.first_block + i] = xxhash.xxh3_64_intdigest(row)
-        self._record("record_staged", data.nbytes, len(spec.block_ids))
+        n = len(spec.block_ids)
+        for i, layer in enumerate(layers):
+            self._checksums[tid][layer, spec.first_block:spec.first_block + n] = sums[i]
+        self._record("record_staged", copy.nbytes, n * len(layers))
         pending = self._push_layers.setdefault(tid, []) if tid in self._push_targets else None
         if pending is not None:
-            pending.append(layer)
-        staged = self._layers_this_step[tid] = self._layers_this_step.get(tid, 0) + 1
-        if spec.seal and staged == self.layout.num_layers:
+            pending.extend(layers)
+        staged = self._layers_this_step.setdefault(tid, set())
+        staged.update(layers)
+        if spec.seal and len(staged) == self.layout.num_layers:
             # The prompt's last layer is staged: seal it and send its last group (with the seal)
             # from here, not after the forward thread's wait_for_save: one hand-off less between
             # the last layer's compute and the decode instance having everything.
@@ -235,6 +258,13 @@ class TieredConnectorWorker:
     def wait_for_save(self, meta: TieredConnectorMetadata) -> None:
         if self.store is None:
             return
+        if meta.saves and self.stager is not None:
+            # Layers whose per-layer hook did not run (a replayed full CUDA graph skips them) are
+            # staged now, after the forward, in one call per transfer (one all-layer gather on a
+            # cross-layer layout); on a CPU engine every hook runs and this finds nothing to do.
+            self._staging.append(self._stager_thread.submit(
+                self._stage_layers, list(range(self.layout.num_layers)), meta.saves, self.ops.forward_event(),
+                True))
         staging, self._staging = self._staging, []
         for fut in staging:  # after this, every staged byte is in the store: vLLM may reuse the blocks
             fut.result()
@@ -433,20 +463,25 @@ class TieredConnectorWorker:
                 logger.warning("pushed KV for request %s did not land (%s); pulling it from the producer",
                                spec.req_id, exc)
                 self._record("record_push_fallback", exc.cause.value)
-        dest = [memoryview(self._blocks[layer][b]) for layer in range(layout.num_layers) for b in targets]
+        layers = range(layout.num_layers)
+        # Host caches with whole-run blocks (vLLM's CPU backend): bytes land in the blocks
+        # themselves. Device caches: in page-locked host rows, then one scatter per layer.
+        dest = self.loader.direct_rows(layers, targets)
+        staged = None if dest is not None else self.loader.landing_buffer(layout.num_layers * len(targets))
+        if staged is not None:
+            dest = [memoryview(row) for row in staged]
         addr = p.addrs[layout.tp_rank]
-        path = self._pull_path(spec, p)
-        dest_addrs = None
-        if isinstance(path, NixlPull):  # layer-major, like dest
-            ids = np.asarray(targets, dtype=np.uint64)
-            dest_addrs = (self._block_base[:, None] + ids[None, :] * self._block_stride[:, None]).reshape(-1)
+        path = self._pull_path(spec, p, direct=staged is None)
+        dest_addrs = self.loader.direct_addrs(layers, targets) if isinstance(path, NixlPull) else None
         with self._client(addr.host, addr.port) as client:
-            nbytes = client.read(p.transfer_id, range(layout.num_layers), spec.first_block, dest,
+            nbytes = client.read(p.transfer_id, layers, spec.first_block, dest,
                                  fingerprint=layout.fingerprint, deadline=deadline,
                                  verify=self.config.checksum and fault != "corrupt",
                                  path=path, dest_addrs=dest_addrs)
             if fault == "corrupt":  # test hook: silently, where the data path delivered the bytes
                 tamper.corrupt(dest)
+            if staged is not None:  # reported done only once the copy into the blocks is
+                self._load_rows(staged, layers, targets, deadline)
             if path.streams:
                 # The KV has landed and been verified: a slow or failed release must not fail the
                 # load (the lease ends the entry anyway), so give it its own short deadline.
@@ -457,10 +492,28 @@ class TieredConnectorWorker:
                                    p.transfer_id, exc)
         return {path.label: nbytes}
 
-    def _pull_path(self, spec: RecvSpec, p: TransferParams) -> PullPath:
+    def _load_rows(self, rows: np.ndarray, layers: range | list[int], targets: list[int], deadline: float) -> None:
+        """Host rows -> the KV blocks through the loader; returns when the copy is done."""
+        try:
+            self.loader.load(rows, layers, targets).wait(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:  # the buffer stays out of the pool: the copy may still read it
+            raise TransferError(FailureCause.TIMEOUT, "copying the KV into the cache blocks missed the "
+                                "load deadline") from None
+        self.loader.release_buffer(rows)
+
+    def _pull_path(self, spec: RecvSpec, p: TransferParams, direct: bool = True) -> PullPath:
         """The data path of a pull: the configured one. A ticket that cannot use it (shm, but the
-        producer has no shm arena) goes over tcp, counted and logged: never silently."""
+        producer has no shm arena; nixl into a device cache, until NIXL registers VRAM) goes over
+        tcp, counted and logged: never silently."""
         transport = self.config.transport
+        if transport == "nixl" and not direct:
+            if not self._warned_nixl_device:
+                self._warned_nixl_device = True
+                logger.warning("transport nixl: the KV cache is in %s memory, which this version does not "
+                               "register with NIXL; pulling over tcp into page-locked host memory instead",
+                               self.geometry.device)
+            self._record("record_path_fallback", "nixl", TCP_PULL.label)
+            return TCP_PULL
         if transport == "shm" and not p.shm_path:
             logger.warning("request %s: transport shm configured, but the producer's ticket has no shm arena "
                            "(is the producer on transport shm and this host?); pulling over tcp", spec.req_id)
@@ -477,13 +530,12 @@ class TieredConnectorWorker:
         tid = p.transfer_id
         self.landing.wait(tid, deadline, time.monotonic() + min(FIRST_CHUNK_GRACE_S, self.config.load_timeout_s / 2))
         try:
-            ids = np.asarray(targets)
             n, layers = len(targets), self.layout.num_layers
             # read_into, not pinning: part of a landed entry may sit on NVMe, and DRAM may be too
             # short to hold all of it at once. Several layers per call (this runs on the critical
             # path, after the last push): per-call costs, not bytes, dominate small prompts.
             per_read = max(1, min(layers, LANDED_READ_BYTES // (n * self.store.slot_bytes)))
-            buf = np.empty((per_read * n, self.store.slot_bytes), dtype=np.uint8)
+            buf = self.loader.landing_buffer(per_read * n)  # page-locked: it goes host->device
             for first in range(0, layers, per_read):
                 group = range(first, min(first + per_read, layers))
                 rows = buf[:len(group) * n]
@@ -493,8 +545,12 @@ class TieredConnectorWorker:
                     raise TransferError(FailureCause.PROTOCOL, f"reading the landed copy failed: {exc}") from None
                 if fault == "corrupt_landed":  # test hook: the landed copy on its way into the blocks
                     tamper.corrupt(rows)
-                for i, layer in enumerate(group):
-                    self._blocks[layer][ids] = rows[i * n:(i + 1) * n]
+                try:
+                    self.loader.load(rows, group, targets).wait(max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise TransferError(FailureCause.TIMEOUT, "copying the landed KV into the cache blocks "
+                                        "missed the load deadline") from None
+            self.loader.release_buffer(buf)
             return self.landing.landed_bytes(tid)
         finally:
             self.landing.forget(tid)
@@ -510,7 +566,7 @@ class TieredConnectorWorker:
             if self._nixl_pull is None:
                 sink = nixl_transport.NixlSink(tag=self.engine_id)
                 try:
-                    sink.register(self._blocks)
+                    sink.register(self.loader.host_arrays())
                 except BaseException:
                     sink.close()
                     raise
@@ -574,7 +630,7 @@ class TieredConnectorWorker:
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
-        self._stager.shutdown(wait=True)
+        self._stager_thread.shutdown(wait=True)
         if self.pusher is not None:
             self.pusher.close()
             self.pusher = None
@@ -589,3 +645,16 @@ class TieredConnectorWorker:
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+def _attention_backend(vllm_config: Any) -> str:
+    """The attention backend's name (FLASH_ATTN, CPU_ATTN, ...): it decides what a block's bytes
+    mean. Several distinct backends (hybrid models) are refused by the mover."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+    except Exception as exc:  # an engine built without the usual config (tests): say so, move on
+        logger.debug("attention backend unknown: %r", exc)
+        return "unknown"
+    return names[0] if len(names) == 1 else "+".join(names)

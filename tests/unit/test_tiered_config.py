@@ -100,6 +100,24 @@ def test_push_mode_asks_vllm_for_piecewise_cuda_graphs() -> None:
     assert TieredConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push"})
     assert not TieredConnector.requires_piecewise_for_cudagraph({"transfer_mode": "pull"})
     assert not TieredConnector.requires_piecewise_for_cudagraph({})
+    # role-aware: a push decode instance keeps full graphs; any instance can force piecewise
+    assert not TieredConnector.requires_piecewise_for_cudagraph({"transfer_mode": "push",
+                                                                 "cudagraph_piecewise": "off"})
+    assert TieredConnector.requires_piecewise_for_cudagraph({"cudagraph_piecewise": "on"})
+    with pytest.raises(ConfigError, match="cudagraph_piecewise"):
+        TieredConnector.requires_piecewise_for_cudagraph({"cudagraph_piecewise": "sometimes"})
+
+
+def test_the_connector_asks_for_the_layout_that_moves_fastest() -> None:
+    """Layer-first, head-major blocks (one run per block, NIXL's choice too); MLA: no preference."""
+    from types import SimpleNamespace
+
+    from kvconnectors.tiered.connector import TieredConnector
+
+    assert TieredConnector.get_required_kvcache_layout(SimpleNamespace(model_config=SimpleNamespace(use_mla=False))) \
+        == "LBHNC"
+    assert TieredConnector.get_required_kvcache_layout(SimpleNamespace(model_config=SimpleNamespace(use_mla=True))) \
+        is None
 
 
 def test_push_with_tensor_parallelism_needs_a_fixed_store_port() -> None:
