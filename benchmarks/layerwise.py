@@ -4,15 +4,21 @@ per group of layers, sent while the later layers compute), side by side in one r
 links (NVLink, 200 Gb InfiniBand, 100 GbE, 25 GbE), plus a short-prompt section on plain loopback
 that shows where layer-wise stops costing more than bulk (the `layerwise_min_tokens` threshold).
 
-What runs is the connector's real push path, in one process, with no vLLM: a producer TieredStore,
-a stager thread that gathers each layer's blocks out of a "KV cache" array, writes them into the
-store and computes their xxh3 checksums (as worker.py does after every attention layer), a
-PushSender that streams PushJobs over TCP loopback to a consumer StoreServer whose Landing lands,
-verifies and seals them, and the consumer's copy of the sealed blocks into its own KV cache blocks
-(as worker.py's _load_landed does: one read_into for every layer, then into the blocks). Layer-wise:
-every --group layers the stager submits a PushJob of those layers; at the last layer the stager
-seals the producer's copy and submits the rest in a last Push that also seals the landing copy
-(worker.py's _seal_transfer, called from the stager). Bulk: that one sealing Push, of all layers.
+What runs is the connector's real push path, in one process, with no vLLM: the producer's and the
+consumer's KV caches are torch tensors in vLLM's LBHNC layout (one allocation, a [blocks, 1, 1, slot]
+view per layer, described by kvconnectors.mover.describe_kv_caches), and the bytes move through the
+connector's own data mover (kvconnectors.mover, CpuOps: a copy thread as the copy stream). After
+every layer's compute the "forward" hands the layer to a single staging thread (worker.py's
+save_kv_layer -> its kvc-stage executor), which has the mover's Stager copy the layer's blocks
+straight into the producer TieredStore's slots (Stager.stage: begin_write + the gather on the copy
+stream) and waits for that copy, checksums the rows (xxh3) and commits them (Stager.complete). A
+PushSender streams PushJobs over TCP loopback to a consumer StoreServer whose Landing lands,
+verifies and seals them; the consumer copies the sealed blocks into its own KV cache blocks (as
+worker.py's _load_landed does: read_into a host buffer, then Loader.load into the blocks, waited
+for). Layer-wise: every --group layers the staging thread submits a PushJob of those layers; at the
+last layer it seals the producer's copy and submits the rest in a last Push that also seals the
+landing copy (worker.py's _seal_transfer, called from the stager). Bulk: that one sealing Push, of
+all layers.
 
   prefill alone   the forward pass only: layers x per-layer compute
   bulk TTFT       prefill start -> consumer's Landing.wait returns (sealed) -> copied into its KV
@@ -101,7 +107,7 @@ from kvconnectors.benchmarks.common import (DEFAULT_OUT, add_results_argument, h
 setup_env()  # harmless here (no NIXL on this path), but keeps UCX sane if a store server ever loads it
 
 import numpy as np  # noqa: E402
-import xxhash  # noqa: E402
+import torch  # noqa: E402
 
 from kvconnectors import planner  # noqa: E402
 from kvconnectors.benchmarks.models import PRESETS, KVBlocks  # noqa: E402
@@ -217,16 +223,30 @@ def default_min_tokens() -> int | None:
 
 
 # ============================================================================== the push path under test
+def kv_caches(kv: np.ndarray) -> dict[str, torch.Tensor]:
+    """vLLM-style per-layer caches over one [layers, blocks, slot] uint8 allocation: LBHNC, one
+    [blocks, heads 1, tokens 1, slot] view per layer (a block is one slot of opaque bytes), sharing
+    `kv`'s memory."""
+    layers, blocks, slot = kv.shape
+    full = torch.from_numpy(kv).view(layers, blocks, 1, 1, slot)
+    return {f"model.layers.{i}.self_attn.attn": full[i] for i in range(layers)}
+
+
 class Payload:
-    """The producer's and the consumer's "KV cache": one [cache_blocks, slot] array per layer, and the
+    """The producer's and the consumer's KV cache: [layers, cache_blocks, slot] arrays (`src`, `dst`)
+    and, over the same memory, the caches the mover sees (`src_geometry`, `dst_geometry`), and the
     (random, non-contiguous) block ids a request's blocks sit at on each side."""
 
     def __init__(self, layers: int, blocks: int, slot: int, seed: int):
+        from kvconnectors.mover import describe_kv_caches
+
         rng = np.random.default_rng(seed)
         n = layers * blocks * slot
         words = rng.integers(0, 2**63, (n + 7) // 8, dtype=np.uint64)  # 8 random bytes at a time: fast
         self.src = words.view(np.uint8)[:n].reshape(layers, blocks, slot)
         self.dst = np.zeros_like(self.src)
+        self.src_geometry = describe_kv_caches(kv_caches(self.src), block_size=1, layout="LBHNC")
+        self.dst_geometry = describe_kv_caches(kv_caches(self.dst), block_size=1, layout="LBHNC")
         self.src_ids = rng.permutation(blocks)
         self.dst_ids = rng.permutation(blocks)
         self.stamp = 0
@@ -250,11 +270,13 @@ class Payload:
 
 
 class Rig:
-    """Producer store + stager thread + push senders (one per emulated link) -> consumer landing
-    store served by a StoreServer with a Landing: tests/unit/test_push.py's Pair, as the connector
-    wires it. Everything is closed by close(), also after a failure half-way through __init__."""
+    """Producer store + staging thread + the mover's Stager + push senders (one per emulated link) ->
+    consumer landing store served by a StoreServer with a Landing, and the consumer's Loader:
+    tests/unit/test_push.py's Pair, as the connector wires it. `bind` attaches the Stager and the Loader
+    to a Payload's caches. Everything is closed by close(), also after a failure half-way through __init__."""
 
     def __init__(self, layers: int, slot: int, entry_slots: int, entries: float, tag: str):
+        from kvconnectors.mover import CpuOps
         from kvconnectors.store import StoreConfig, TieredStore
         from kvconnectors.transport import wire
         from kvconnectors.transport.landing import Landing
@@ -264,6 +286,8 @@ class Rig:
         self.compat = wire.compat_hash("bench-layerwise")
         self.errors: dict[str, Any] = {}
         self.senders: dict[str, Any] = {}
+        self.stager: Any = None   # the mover's Stager and Loader, once bound to a Payload
+        self.loader: Any = None
         self._stack = contextlib.ExitStack()
         try:
             dram = max(math.ceil(entries * entry_slots), 4) * slot  # runs go one at a time
@@ -279,11 +303,25 @@ class Rig:
                                       compat=self.compat, landing=self.landing)
             self._stack.callback(self.server.close)
             self.target = ("127.0.0.1", self.server.port)
-            self.stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-stager")
-            self._stack.callback(self.stager.shutdown, wait=True)
+            # each side's copy stream (on a CPU engine: a copy thread); two processes in a real deployment
+            self.src_ops = CpuOps("bench-copy-src")
+            self._stack.callback(self.src_ops.close)
+            self.dst_ops = CpuOps("bench-copy-dst")
+            self._stack.callback(self.dst_ops.close)
+            # worker.py's kvc-stage executor: save_kv_layer hands each layer to it
+            self.staging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-stage")
+            self._stack.callback(self.staging.shutdown, wait=True)
         except BaseException:
             self._stack.close()
             raise
+
+    def bind(self, kv: Payload) -> None:
+        """The producer's Stager over kv's source cache and this rig's producer store, the consumer's
+        Loader over kv's destination cache (as the worker builds them in register_kv_caches)."""
+        from kvconnectors.mover import Loader, Stager
+
+        self.stager = Stager(kv.src_geometry, self.src, self.src_ops, checksum=True)
+        self.loader = Loader(kv.dst_geometry, self.dst_ops)
 
     def sender(self, name: str, link_bytes_per_s: float | None):
         """A PushSender for one (emulated) link, created once; closed with the rig."""
@@ -324,14 +362,16 @@ def _sleep_until(t: float) -> None:
 
 def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float, group: int | None,
                 check: bool = False) -> dict[str, Any]:
-    """One prompt through the push path: per layer compute (sleep), then the stager copies the layer's
-    blocks into the producer store and checksums them; layer-wise (group set) submits a PushJob every
-    `group` layers from the stager, bulk (group None) one PushJob of all layers after the last; then
-    the last Push seals the landing copy; the consumer waits for the seal and copies the blocks into its KV cache.
-    Returns timestamps relative to prefill start (seconds)."""
+    """One prompt through the push path: per layer compute (sleep), then the staging thread has the
+    Stager copy the layer's blocks into the producer store and checksum them; layer-wise (group set)
+    submits a PushJob every `group` layers from the staging thread, bulk (group None) one PushJob of
+    all layers after the last; then the last Push seals the landing copy; the consumer waits for the
+    seal and has the Loader copy the blocks into its KV cache. Returns timestamps relative to prefill
+    start (seconds)."""
     from kvconnectors.transport.push import PushJob
 
-    layers, slot = rig.layers, rig.slot
+    layers = rig.layers
+    assert rig.stager is not None and rig.loader is not None, "Rig.bind(kv) first"
     tid = f"lw-{secrets.token_hex(6)}"
     if check:
         kv.prepare_check(blocks)
@@ -354,15 +394,14 @@ def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float,
         sender.submit(PushJob(tid, rig.target, group_layers, 0, blocks, checksums, end=end))
         submits.append(time.perf_counter() - t0)
 
-    def stage(layer: int) -> None:  # the stager thread: worker.py's _stage_spec
+    def stage(layer: int, forward: Any) -> None:  # the staging thread: worker.py's _stage_spec
         nonlocal ended
         if layer == 0:
             rig.src.create(tid, layers, blocks)
-        data = kv.src[layer][sids]  # one gather copy of whole blocks
-        rig.src.write(tid, layer, 0, data)
-        row_sums = sums[layer]
-        for i, row in enumerate(data):
-            row_sums[i] = xxhash.xxh3_64_intdigest(row)
+        # the mover: reserve the layer's slots, gather its blocks into them on the copy stream
+        # (after the layer's forward), wait for that copy, checksum the rows and commit them
+        copy = rig.stager.stage(tid, [layer], 0, sids, after=forward)
+        sums[layer] = rig.stager.complete(copy, TIMEOUT_S)[0]
         with lock:
             pending.append(layer)
             full = group is not None and len(pending) >= group
@@ -384,18 +423,21 @@ def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float,
             if layer_s > 0:
                 _sleep_until(t0 + (layer + 1) * layer_s)
             t_compute = time.perf_counter() - t0  # the layer's compute ended; its staging starts
-            futures.append(rig.stager.submit(stage, layer))
+            # save_kv_layer: the point on the forward stream the copy follows, and the hand-off
+            futures.append(rig.staging.submit(stage, layer, rig.src_ops.forward_event()))
         for f in futures:  # wait_for_save: every staged byte is in the producer store
             f.result()
         now = time.monotonic()
         rig.landing.wait(tid, now + TIMEOUT_S, now + TIMEOUT_S)
         t_landed = time.perf_counter() - t0
-        # worker.py's _load_landed: every layer out of the landing store in one read_into (these
-        # prompts are below its LANDED_READ_BYTES), then into the KV cache blocks
-        buf = np.empty((layers * blocks, slot), dtype=np.uint8)
+        # worker.py's _load_landed: the layers out of the landing store with read_into (here one call
+        # for every layer; the worker splits calls at LANDED_READ_BYTES) into a host buffer of the
+        # copy stream's kind, then the Loader's copy into the KV cache blocks, waited for. A fresh
+        # buffer per prompt, not Loader.landing_buffer: its pool picks a buffer with list.remove,
+        # which compares arrays (ValueError once two pooled buffers differ in size, as here).
+        buf = rig.dst_ops.host_buffer(layers * blocks * rig.slot).reshape(layers * blocks, rig.slot)
         rig.dst.read_into(tid, list(range(layers)), 0, buf)
-        for layer in range(layers):
-            kv.dst[layer][dids] = buf[layer * blocks:(layer + 1) * blocks]
+        rig.loader.load(buf, range(layers), dids).wait(TIMEOUT_S)
         t_end = time.perf_counter() - t0
     finally:
         for f in futures:
@@ -484,6 +526,7 @@ def run_layerwise(preset: str = "8b", tokens: int = 2000, block_tokens: int = 16
         try:
             sender = rig.sender("loopback", None)
             kv = Payload(layers, max(probe_blocks, short_blocks), cal.slot_bytes, seed)
+            rig.bind(kv)
             bar.set_postfix_str("loopback probe")
             probe_runs = []
             for r in range(probe_reps + 1):  # the first one warms up (connection) and verifies
@@ -526,6 +569,7 @@ def run_layerwise(preset: str = "8b", tokens: int = 2000, block_tokens: int = 16
         kv = None
         try:
             kv = Payload(layers, cal.blocks, slot_e, seed + 1)
+            rig.bind(kv)
             runs: dict[str, dict[str, list]] = {lk.name: {"bulk": [], "layerwise": []} for lk in link_specs}
             status: dict[str, dict[str, Any]] = {lk.name: {"status": "ok", "reason": None, "verified": False}
                                                  for lk in link_specs}

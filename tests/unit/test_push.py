@@ -1,5 +1,8 @@
 """Push mode on the transfer plane: a producer store + PushSender streaming layer groups into a
-consumer's landing store over real sockets (inline, and NIXL where it imports). No engine."""
+consumer's landing store over real sockets (inline, and NIXL where it imports). No engine: the
+producer's and the consumer's KV caches are plain torch tensors, staged into the producer store
+by the mover's Stager and copied out of the landing store into the consumer's cache by its
+Loader, as the connector's worker does."""
 
 from __future__ import annotations
 
@@ -8,9 +11,10 @@ import time
 
 import numpy as np
 import pytest
-import xxhash
+import torch
 
 from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.mover import CpuOps, Loader, Stager, describe_kv_caches
 from kvconnectors.store import StoreConfig, TieredStore
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import StoreClient, store_status
@@ -23,16 +27,36 @@ from kvconnectors.transport.server import StoreServer
 
 SLOT = 4096
 LAYERS, BLOCKS = 4, 6
+CACHE_BLOCKS = 16   # blocks of each side's KV cache; a request's BLOCKS sit at scattered ids
+SRC_IDS = np.random.default_rng(11).permutation(CACHE_BLOCKS)[:BLOCKS]
+DST_IDS = np.random.default_rng(12).permutation(CACHE_BLOCKS)[:BLOCKS]
 FP = "fp-push"
 COMPAT = wire.compat_hash("tiered")
 
 
+class KVCache:
+    """An engine's KV cache as vLLM hands it to a connector (layout LBHNC: one allocation, a
+    [blocks, 1, 1, SLOT] uint8 view per layer, a block being one slot of bytes), with `rows`, a
+    numpy [LAYERS, CACHE_BLOCKS, SLOT] view of the same memory."""
+
+    def __init__(self) -> None:
+        self.rows = np.zeros((LAYERS, CACHE_BLOCKS, SLOT), np.uint8)
+        full = torch.from_numpy(self.rows).view(LAYERS, CACHE_BLOCKS, 1, 1, SLOT)
+        self.geometry = describe_kv_caches({f"model.layers.{i}.self_attn.attn": full[i] for i in range(LAYERS)},
+                                           block_size=1, layout="LBHNC")
+
+
 class Pair:
-    """A producer (store + server + sender) and a consumer landing store server."""
+    """A producer (KV cache + store + Stager + server + sender) and a consumer (landing store
+    server + KV cache + Loader)."""
 
     def __init__(self, *, nixl: bool = False, landing_dram_slots: int = 256, faults: FaultPlan | None = None,
                  landing_fp: str = FP, ttl: float = 30.0):
+        self.ops = CpuOps("push-test-copy")
+        self.kv, self.consumer_kv = KVCache(), KVCache()
         self.src = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=256 * SLOT, lease_ttl_s=30))
+        self.stager = Stager(self.kv.geometry, self.src, self.ops, checksum=True)
+        self.loader = Loader(self.consumer_kv.geometry, self.ops)
         self.src_server = StoreServer(self.src, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT,
                                       nixl=nixl)
         self.dst = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=landing_dram_slots * SLOT, lease_ttl_s=ttl))
@@ -56,18 +80,37 @@ class Pair:
         self.done[tid] = err
         self.done_event.set()
 
-    def stage_and_push(self, tid: str, group: int = 2, seed: int = 0, corrupt_sums: bool = False) -> np.ndarray:
+    def use_store(self, store: TieredStore) -> None:
+        """Stage into (and push from) another producer store."""
+        self.src.close()
+        self.sender.store = self.src = store
+        self.stager = Stager(self.kv.geometry, store, self.ops, checksum=True)
+
+    def fill(self, seed: int) -> np.ndarray:
+        """The forward pass: seeded bytes into the request's blocks of the producer's KV cache;
+        returns them as [LAYERS, BLOCKS, SLOT]."""
         data = np.random.default_rng(seed).integers(0, 256, (LAYERS, BLOCKS, SLOT), dtype=np.uint8)
+        self.kv.rows[:, SRC_IDS] = data
+        return data
+
+    def stage(self, tid: str, layer: int) -> list[int]:
+        """One layer's save, as the worker does it: the Stager copies the request's blocks of the
+        layer into the entry's slots and commits them; returns their xxh3 checksums."""
+        copy = self.stager.stage(tid, [layer], 0, SRC_IDS, after=self.ops.forward_event())
+        return self.stager.complete(copy, timeout_s=5)[0].tolist()
+
+    def stage_and_push(self, tid: str, group: int = 2, seed: int = 0, corrupt_sums: bool = False) -> np.ndarray:
+        data = self.fill(seed)
         self.src.create(tid, LAYERS, BLOCKS)
         pending: list[int] = []
+        sums: list[int] = []
         for layer in range(LAYERS):
-            self.src.write(tid, layer, 0, data[layer])
+            sums += self.stage(tid, layer)
             pending.append(layer)
             if len(pending) == group or layer == LAYERS - 1:
-                sums = [xxhash.xxh3_64_intdigest(data[l, b]) ^ int(corrupt_sums) for l in pending
-                        for b in range(BLOCKS)]
-                self.sender.submit(PushJob(tid, self.target, pending, 0, BLOCKS, sums))
-                pending = []
+                self.sender.submit(PushJob(tid, self.target, pending, 0, BLOCKS,
+                                           [s ^ int(corrupt_sums) for s in sums]))
+                pending, sums = [], []
         self.src.seal(tid)
         self.sender.submit(PushJob(tid, self.target, end=True))
         return data
@@ -78,6 +121,7 @@ class Pair:
             s.close()
         self.src.close()
         self.dst.close()
+        self.ops.close()
 
 
 @pytest.fixture
@@ -88,11 +132,21 @@ def pair():
 
 
 def landed(p: Pair, tid: str) -> np.ndarray:
+    """The consumer's side, as the worker's _load_landed: wait for the sealed landing copy, read
+    every layer out of the landing store, have the Loader copy it into the request's blocks of a
+    cleared consumer KV cache; returns those blocks as [LAYERS, BLOCKS, SLOT]."""
     p.landing.wait(tid, time.monotonic() + 5, time.monotonic() + 5)
-    out = np.zeros((LAYERS, BLOCKS, SLOT), np.uint8)
-    for layer in range(LAYERS):
-        p.dst.read_into(tid, layer, 0, out[layer])
-    return out
+    p.consumer_kv.rows[:] = 0
+    rows = p.loader.landing_buffer(LAYERS * BLOCKS)
+    try:
+        p.dst.read_into(tid, list(range(LAYERS)), 0, rows)
+        p.loader.load(rows, range(LAYERS), DST_IDS).wait(5)
+    finally:
+        p.loader.release_buffer(rows)
+    others = np.ones(CACHE_BLOCKS, bool)
+    others[DST_IDS] = False
+    assert not p.consumer_kv.rows[:, others].any(), "the load wrote outside the request's blocks"
+    return p.consumer_kv.rows[:, DST_IDS]
 
 
 def test_pushed_layer_groups_land_byte_exact_and_the_producer_lets_go(pair) -> None:
@@ -105,10 +159,9 @@ def test_pushed_layer_groups_land_byte_exact_and_the_producer_lets_go(pair) -> N
 
 def test_an_unsealed_landing_is_never_readable(pair) -> None:
     """Partial layer sets are never used: before PushEnd the entry exists but cannot be read."""
-    data = np.ones((BLOCKS, SLOT), np.uint8)
+    pair.fill(2)
     pair.src.create("t2", LAYERS, BLOCKS)
-    pair.src.write("t2", 0, 0, data)
-    sums = [xxhash.xxh3_64_intdigest(data[b]) for b in range(BLOCKS)]
+    sums = pair.stage("t2", 0)
     pair.sender.submit(PushJob("t2", pair.target, [0], 0, BLOCKS, sums))
     assert pair.sender.flush(5)
     assert pair.dst.contains("t2") and not pair.dst.is_sealed("t2")
@@ -274,10 +327,10 @@ def test_pushing_slots_staged_on_nvme_goes_inline_from_disk(tmp_path) -> None:
     from disk (not pinnable in the arena) and it still lands byte-exact."""
     p = Pair()
     try:
-        p.src.close()
-        p.sender.store = p.src = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=4 * SLOT,
-                                                         nvme_dirs=[str(tmp_path)], nvme_bytes=64 * SLOT))
-        data = p.stage_and_push("disk")
+        p.use_store(TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=4 * SLOT, nvme_dirs=[str(tmp_path)],
+                                            nvme_bytes=64 * SLOT)))
+        data = p.stage_and_push("disk")  # the Stager lands these rows in a bounce buffer, then on disk
+        assert p.src.stats.bytes_written_nvme == (LAYERS * BLOCKS - 4) * SLOT
         assert np.array_equal(landed(p, "disk"), data)
         assert p.sender.flush(5) and p.done == {"disk": None}
     finally:
@@ -286,27 +339,23 @@ def test_pushing_slots_staged_on_nvme_goes_inline_from_disk(tmp_path) -> None:
 
 def test_the_last_group_can_seal_the_landing_copy_itself(pair) -> None:
     """No separate PushEnd round trip: the last Push carries seal=True."""
-    data = np.random.default_rng(5).integers(0, 256, (LAYERS, BLOCKS, SLOT), dtype=np.uint8)
-    pair.src.create("s", LAYERS, BLOCKS)
-    for layer in range(LAYERS):
-        pair.src.write("s", layer, 0, data[layer])
-    sums = lambda ls: [xxhash.xxh3_64_intdigest(data[l, b]) for l in ls for b in range(BLOCKS)]  # noqa: E731
-    pair.sender.submit(PushJob("s", pair.target, [0, 1], 0, BLOCKS, sums([0, 1])))
-    pair.sender.submit(PushJob("s", pair.target, [2, 3], 0, BLOCKS, sums([2, 3]), end=True))
+    data, sums = _stage_only(pair, "s", 5)
+    pair.sender.submit(PushJob("s", pair.target, [0, 1], 0, BLOCKS, _sums(sums, [0, 1])))
+    pair.sender.submit(PushJob("s", pair.target, [2, 3], 0, BLOCKS, _sums(sums, [2, 3]), end=True))
     assert np.array_equal(landed(pair, "s"), data)
     assert pair.sender.flush(5) and pair.done == {"s": None} and pair.sender.pushes == 2
 
 
-def _stage_only(p: Pair, tid: str, seed: int) -> np.ndarray:
-    data = np.random.default_rng(seed).integers(0, 256, (LAYERS, BLOCKS, SLOT), dtype=np.uint8)
+def _stage_only(p: Pair, tid: str, seed: int) -> tuple[np.ndarray, dict[int, list[int]]]:
+    """Every layer of a prompt staged by the Stager (not sealed, not pushed): its bytes and each
+    layer's checksums."""
+    data = p.fill(seed)
     p.src.create(tid, LAYERS, BLOCKS)
-    for layer in range(LAYERS):
-        p.src.write(tid, layer, 0, data[layer])
-    return data
+    return data, {layer: p.stage(tid, layer) for layer in range(LAYERS)}
 
 
-def _sums(data: np.ndarray, layers: list[int]) -> list[int]:
-    return [xxhash.xxh3_64_intdigest(data[l, b]) for l in layers for b in range(BLOCKS)]
+def _sums(sums: dict[int, list[int]], layers: list[int]) -> list[int]:
+    return [s for layer in layers for s in sums[layer]]
 
 
 def test_a_broken_connection_loses_only_the_transfer_whose_bytes_broke() -> None:
@@ -315,7 +364,7 @@ def test_a_broken_connection_loses_only_the_transfer_whose_bytes_broke() -> None
     (the consumer pulls it), only A counts as lost on the wire."""
     p = Pair(faults=FaultPlan.from_config([{"action": "truncate", "on": "push", "nth": 3}]))
     try:
-        a, b = _stage_only(p, "A", 1), _stage_only(p, "B", 2)
+        (_, a), (_, b) = _stage_only(p, "A", 1), _stage_only(p, "B", 2)
         p.sender.submit(PushJob("A", p.target, [0, 1], 0, BLOCKS, _sums(a, [0, 1])))
         p.sender.submit(PushJob("B", p.target, [0, 1], 0, BLOCKS, _sums(b, [0, 1])))
         p.sender.submit(PushJob("A", p.target, [2, 3], 0, BLOCKS, _sums(a, [2, 3]), end=True))  # 3rd: breaks
@@ -329,11 +378,11 @@ def test_a_broken_connection_loses_only_the_transfer_whose_bytes_broke() -> None
 
 
 def test_an_abort_after_a_local_failure_still_reaches_the_landing_side(pair) -> None:
-    data = _stage_only(pair, "gone", 3)
-    pair.sender.submit(PushJob("gone", pair.target, [0, 1], 0, BLOCKS, _sums(data, [0, 1])))
+    _, sums = _stage_only(pair, "gone", 3)
+    pair.sender.submit(PushJob("gone", pair.target, [0, 1], 0, BLOCKS, _sums(sums, [0, 1])))
     assert pair.sender.flush(5)
     pair.src.release("gone")  # e.g. the request was aborted: the next group cannot be read
-    pair.sender.submit(PushJob("gone", pair.target, [2, 3], 0, BLOCKS, _sums(data, [2, 3])))
+    pair.sender.submit(PushJob("gone", pair.target, [2, 3], 0, BLOCKS, _sums(sums, [2, 3])))
     pair.sender.submit(PushJob("gone", pair.target, abort=TransferError(FailureCause.UNKNOWN_TRANSFER, "aborted")))
     assert pair.sender.flush(5)
     with pytest.raises(TransferError) as exc:
@@ -348,8 +397,8 @@ def test_a_target_that_cannot_be_reached_keeps_the_producer_copy(pair) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead = ("127.0.0.1", s.getsockname()[1])
-    data = _stage_only(pair, "x", 4)
-    pair.sender.submit(PushJob("x", dead, [0, 1, 2, 3], 0, BLOCKS, _sums(data, [0, 1, 2, 3]), end=True))
+    _, sums = _stage_only(pair, "x", 4)
+    pair.sender.submit(PushJob("x", dead, [0, 1, 2, 3], 0, BLOCKS, _sums(sums, [0, 1, 2, 3]), end=True))
     assert pair.sender.flush(10)
     assert pair.done["x"].cause is FailureCause.PEER_UNREACHABLE and pair.done["x"].refused
 
