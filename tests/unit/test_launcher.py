@@ -200,6 +200,7 @@ def _start_launcher(env, tmp_path, *extra: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvconnectors.cli", "serve-pd", "--model", str(model), "--prefill", "1",
+         "--device", "cpu",  # the same fake CPU launch on any host (a GPU host would plan GPUs)
          "--decode", "1", "--proxy-port", str(port), "--health-timeout", "30", "--log-dir",
          str(tmp_path / "logs"), *extra],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -280,7 +281,7 @@ def test_signal_during_startup_stops_started_servers(fake_env, tmp_path, sig):
     model = tmp_path / "tiny"
     model.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvconnectors.cli", "serve-pd", "--model", str(model), "--quiet",
+        [sys.executable, "-m", "kvconnectors.cli", "serve-pd", "--model", str(model), "--quiet", "--device", "cpu",
          "--proxy-port", str(free_port()), "--health-timeout", "60", "--log-dir", str(tmp_path / "logs")],
         cwd=REPO, env={**fake_env, "FAKE_VLLM_MODE": "hang"}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, start_new_session=True)
