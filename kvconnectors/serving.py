@@ -33,18 +33,27 @@ import psutil
 from kvconnectors.errors import KVConnectorError
 from kvconnectors.transport.ucx_env import CPU_DEFAULT_ENV  # UCX (NIXL) on loopback, no InfiniBand
 
+# On any device: no prefix cache (it would hide transfers: a repeated prompt would be served from the
+# decode's own cache), and one seed.
+COMMON_DEFAULT_ARGS: tuple[str, ...] = (
+    "--no-enable-prefix-caching",
+    "--seed", "0",
+)
 # Safe on a small CPU host: fp32 (bf16 was only checked on AMX), no graph capture, a block size the
 # CPU attention kernel accepts (multiple of 32), an explicit KV budget (the default
-# gpu_memory_utilization reserves 92% of host RAM), no prefix cache (it would hide transfers).
+# gpu_memory_utilization reserves 92% of host RAM). None of these belongs on a GPU.
 CPU_DEFAULT_ARGS: tuple[str, ...] = (
     "--dtype", "float32",
     "--enforce-eager",
     "--max-model-len", "2048",
     "--block-size", "32",
     "--kv-cache-memory-bytes", "268435456",
-    "--no-enable-prefix-caching",
-    "--seed", "0",
+    *COMMON_DEFAULT_ARGS,
 )
+# On CUDA vLLM's own defaults (model dtype, CUDA graphs, the model's context length, KV cache sized by
+# --gpu-memory-utilization) are the right ones.
+CUDA_DEFAULT_ARGS: tuple[str, ...] = COMMON_DEFAULT_ARGS
+DEVICES = ("cpu", "cuda")
 
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -99,6 +108,44 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _ports_given.add(port)
                 return port
     raise OSError(f"no fresh free port found on {host}")
+
+
+def free_port_block(n: int, host: str = "127.0.0.1") -> int:
+    """The first of `n` consecutive TCP ports that are all free now and were not returned before by
+    this process (like free_port, which this is for n == 1): for a server whose tensor-parallel
+    rank r listens on base + r, e.g. TieredConnector's store_port."""
+    import socket
+
+    if n == 1:
+        return free_port(host)
+    low = _ephemeral_low()
+    with _port_lock:
+        for _ in range(64):
+            if low - _FIXED_LOW >= 1000 + n:
+                base = _port_rng.randrange(_FIXED_LOW, low - n)
+            else:
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((host, 0))
+                    base = s.getsockname()[1]
+                if base + n > 65536:
+                    continue
+            block = range(base, base + n)
+            if any(port in _ports_given for port in block) or not all(_bindable(host, port) for port in block):
+                continue
+            _ports_given.update(block)
+            return base
+    raise OSError(f"no {n} consecutive fresh free ports found on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 _FIXED_LOW = 20000
@@ -187,7 +234,12 @@ class VllmServer:
     ```
     `extra_args` come after `defaults`, so an extra `--max-model-len 4096` overrides the default
     (vLLM's argparse keeps the last value). `env` is applied on top of the inherited environment
-    and the CPU defaults.
+    and the device's defaults.
+
+    `device` picks those defaults: "cpu" (CPU_DEFAULT_ARGS, the CPU-host UCX settings, and with
+    `core` the whole tree pinned and VLLM_CPU_OMP_THREADS_BIND) or "cuda" (CUDA_DEFAULT_ARGS and
+    nothing CPU-specific; `core` must be None, and the caller picks GPUs with CUDA_VISIBLE_DEVICES
+    in `env`).
     """
 
     def __init__(
@@ -201,7 +253,8 @@ class VllmServer:
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         core: int | None = None,
-        defaults: Sequence[str] = CPU_DEFAULT_ARGS,
+        device: str = "cpu",
+        defaults: Sequence[str] | None = None,
         python: str = sys.executable,
         pythonpath: Sequence[str | os.PathLike[str]] = (),
         log_path: str | os.PathLike[str] | None = None,
@@ -217,7 +270,15 @@ class VllmServer:
         self.port = port if port is not None else free_port(host)
         self.extra_args = list(extra_args)
         self.env_overrides = dict(env or {})
+        if device not in DEVICES:
+            raise ValueError(f"device {device!r}: expected one of {DEVICES}")
+        if device == "cuda" and core is not None:
+            raise ValueError(f"core {core}: CPU pinning is for device 'cpu' only (a CUDA server is placed "
+                             "with CUDA_VISIBLE_DEVICES)")
         self.core = core
+        self.device = device
+        if defaults is None:
+            defaults = CPU_DEFAULT_ARGS if device == "cpu" else CUDA_DEFAULT_ARGS
         self.defaults = list(defaults)
         self.python = python
         self.pythonpath = [str(p) for p in pythonpath]
@@ -258,12 +319,22 @@ class VllmServer:
             *self.extra_args,
         ]
 
+    def launch_argv(self) -> list[str]:
+        """What start() runs: the shim that pins the leader to `core` (-1: no pinning) and execs `command()`."""
+        return [
+            self.python, "-c", _EXEC_SHIM,
+            str(self.core if self.core is not None else -1),
+            str(os.getpid() if self.die_with_parent else 0),
+            *self.command()[1:],
+        ]
+
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         # Test harnesses set this to 0 for in-process LLM engines; a server should run like
         # production (API server, EngineCore and Worker as separate processes).
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        env.update(CPU_DEFAULT_ENV)
+        if self.device == "cpu":
+            env.update(CPU_DEFAULT_ENV)  # UCX on loopback without InfiniBand: a CPU host's settings
         env["PYTHONUNBUFFERED"] = "1"  # log lines reach the file (and the stream) as they happen
         if Path(self.model).is_dir():
             # A local model needs no hub; without this a host with no network can stall on lookups.
@@ -290,12 +361,7 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(self.log_path, "ab", buffering=0)
         log_file.write(f"# {self.name}: {' '.join(self.command())}\n".encode())
-        shim = [
-            self.python, "-c", _EXEC_SHIM,
-            str(self.core if self.core is not None else -1),
-            str(os.getpid() if self.die_with_parent else 0),
-            *self.command()[1:],
-        ]
+        shim = self.launch_argv()
         # Own session = own process group: killpg reaches EngineCore/Worker even after the API
         # server is gone, and a Ctrl-C in our terminal does not hit the servers behind our back.
         with log_file:  # the child keeps its own descriptor

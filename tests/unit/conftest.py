@@ -31,3 +31,12 @@ def plain_kvconnectors_logging():
             root.addHandler(handler)
         root.setLevel(level)
         root.propagate = propagate
+
+
+@pytest.fixture(autouse=True)
+def cpu_host_for_serve_pd(monkeypatch):
+    """`serve-pd --device auto` (the default) asks the host for CUDA devices. Unit tests plan for a
+    CPU host wherever they run, a GPU host included; test_launcher_gpu.py fakes a CUDA host itself."""
+    from kvconnectors.integration import launcher
+
+    monkeypatch.setattr(launcher, "cuda_device_count", lambda: 0)

@@ -164,7 +164,8 @@ def test_help_explains_every_flag():
 def test_example_configs_are_valid_kv_transfer_configs():
     files = sorted(glob.glob(str(CONFIGS / "*.json")))
     names = {Path(f).name for f in files}
-    for connector in ("tiered", "nixl_cpu", "mooncake", "lmcache"):
+    for connector in ("tiered", "tiered_push", "tiered_cuda", "tiered_push_cuda", "nixl_cpu", "nixl_cuda",
+                      "mooncake", "lmcache"):
         assert {f"{connector}_producer.json", f"{connector}_consumer.json"} <= names
     vllm_config = pytest.importorskip("vllm.config")
     for f in files:
@@ -172,6 +173,43 @@ def test_example_configs_are_valid_kv_transfer_configs():
         kv = vllm_config.KVTransferConfig(**cfg)  # extra="forbid": typos in top-level keys fail here
         assert kv.kv_role == ("kv_producer" if "producer" in f else "kv_consumer"), f
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" in (CONFIGS / "README.md").read_text()
+
+
+def test_example_configs_per_device():
+    """NIXL's files register the device they are named for; TieredConnector's keys all pass its own
+    validation, and a GPU file is its CPU twin with a bigger store (what the README says)."""
+    from kvconnectors.tiered.config import TieredConfig
+
+    def load(name: str) -> dict:
+        return json.loads((CONFIGS / name).read_text())
+
+    for role in ("producer", "consumer"):
+        assert load(f"nixl_cpu_{role}.json")["kv_buffer_device"] == "cpu"
+        assert load(f"nixl_cuda_{role}.json")["kv_buffer_device"] == "cuda"
+        assert {k: v for k, v in load(f"nixl_cuda_{role}.json").items() if k != "kv_buffer_device"} == \
+            {k: v for k, v in load(f"nixl_cpu_{role}.json").items() if k != "kv_buffer_device"}
+        for mode in ("", "push_"):
+            cpu, cuda = load(f"tiered_{mode}{role}.json"), load(f"tiered_{mode}cuda_{role}.json")
+            for cfg in (cpu, cuda):
+                TieredConfig.from_extra(cfg["kv_connector_extra_config"])  # unknown keys and bad values fail
+                assert cfg["kv_connector_extra_config"].get("transfer_mode", "pull") == (mode.rstrip("_") or "pull")
+            strip = lambda c: {**c, "kv_connector_extra_config": {  # noqa: E731
+                k: v for k, v in c["kv_connector_extra_config"].items() if k != "dram_bytes"}}
+            assert strip(cuda) == strip(cpu), (mode, role)
+    for name in ("tiered_cuda_producer.json", "tiered_push_cuda_producer.json", "tiered_push_cuda_consumer.json"):
+        assert load(name)["kv_connector_extra_config"]["dram_bytes"] == "16g", name
+
+
+def test_configs_readme_names_every_file():
+    import fnmatch
+    import re
+
+    readme = (CONFIGS / "README.md").read_text()
+    # names and globs with a literal start (`*_producer.json` would match every producer)
+    patterns = re.findall(r"`(\w[\w*]*\.json)`", readme)
+    for f in sorted(CONFIGS.glob("*.json")):
+        assert any(fnmatch.fnmatch(f.name, pat) for pat in patterns), f"{f.name} is not in configs/README.md"
+    assert "## On GPUs" in readme and "kv_buffer_device: cuda" in readme
 
 
 def test_generated_configs_are_valid_kv_transfer_configs():
@@ -200,6 +238,7 @@ def _start_launcher(env, tmp_path, *extra: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvconnectors.cli", "serve-pd", "--model", str(model), "--prefill", "1",
+         "--device", "cpu",  # the same fake CPU launch on any host (a GPU host would plan GPUs)
          "--decode", "1", "--proxy-port", str(port), "--health-timeout", "30", "--log-dir",
          str(tmp_path / "logs"), *extra],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -280,7 +319,7 @@ def test_signal_during_startup_stops_started_servers(fake_env, tmp_path, sig):
     model = tmp_path / "tiny"
     model.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvconnectors.cli", "serve-pd", "--model", str(model), "--quiet",
+        [sys.executable, "-m", "kvconnectors.cli", "serve-pd", "--model", str(model), "--quiet", "--device", "cpu",
          "--proxy-port", str(free_port()), "--health-timeout", "60", "--log-dir", str(tmp_path / "logs")],
         cwd=REPO, env={**fake_env, "FAKE_VLLM_MODE": "hang"}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, start_new_session=True)
