@@ -327,6 +327,8 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
             # push: decode instances run a landing store at store_port; the proxy passes its
             # address to the prefill instance, which streams layer groups there.
             mode = {"kv_connector_extra_config": {"transfer_mode": "push"}} if args.mode == "push" else {}
+            if mode and kv_role == "kv_consumer":  # a decode stages nothing: keep its full CUDA graphs
+                mode["kv_connector_extra_config"]["cudagraph_piecewise"] = "off"
             cfg = kv_transfer_config("TieredConnector", kv_role, transport=args.transport,
                                      store_port=store_port, extra=deep_merge(mode, extra))
             port_in_cfg = cfg.get("kv_connector_extra_config", {}).get("store_port", store_port)

@@ -113,6 +113,9 @@ def test_proxy_argv_lists_pools_and_kv_addresses():
     assert ns.decode[0].kv_addr == plans[2].kv_addr
     # push: every instance runs in push mode (decode instances accept pushes at their store port)
     assert all(p.kv_transfer_config["kv_connector_extra_config"]["transfer_mode"] == "push" for p in plans)
+    # decode instances keep full CUDA graphs (they never stage); prefill instances let push decide
+    assert [p.kv_transfer_config["kv_connector_extra_config"].get("cudagraph_piecewise") for p in plans] \
+        == [None, None, "off"]
 
 
 @pytest.mark.parametrize("argv, needle", [
