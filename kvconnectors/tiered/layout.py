@@ -51,11 +51,18 @@ class KVLayout:
         return xxhash.xxh3_64_hexdigest(json.dumps(self.describe(), sort_keys=True).encode())
 
 
+# With one head (MLA) the H and N axes cannot be told apart in memory: these pairs hold the same bytes.
+_SAME_WITH_ONE_HEAD = {"LBNHC": "LBHNC", "BLNHC": "BLHNC", "LHBNC": "LBHNC", "BHLNC": "BLHNC"}
+
+
 def layout_of(geometry: BlockGeometry, block_size: int, tp_size: int = 1, tp_rank: int = 0,
               model: str = "") -> KVLayout:
+    layout = geometry.layout
+    if geometry.block_shape and geometry.block_shape[0] == 1:
+        layout = _SAME_WITH_ONE_HEAD.get(layout, layout)
     return KVLayout(layer_names=geometry.layer_names, num_blocks=geometry.num_blocks, block_size=block_size,
                     block_shape=geometry.block_shape, dtype=geometry.dtype, block_bytes=geometry.block_bytes,
-                    cache_layout=geometry.layout, device=geometry.device, tp_size=tp_size, tp_rank=tp_rank,
+                    cache_layout=layout, device=geometry.device, tp_size=tp_size, tp_rank=tp_rank,
                     model=model, backend=geometry.backend,
                     # plain float dtypes are said by `dtype`; only fp8's flavour adds meaning
                     cache_dtype=geometry.cache_dtype if geometry.cache_dtype.startswith("fp8") else "auto")
