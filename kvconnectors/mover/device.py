@@ -216,17 +216,14 @@ class CudaOps(DeviceOps):
 
     def pin(self, array: np.ndarray, what: str) -> bool:
         nbytes = array.nbytes
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if soft != resource.RLIM_INFINITY and soft < nbytes:
-            self._say_once(what, f"cannot page-lock {what} ({nbytes} B): RLIMIT_MEMLOCK is {soft} B "
-                                 "(raise it with `ulimit -l unlimited` or the container's memlock limit); "
-                                 "copies go through a pinned bounce buffer instead")
-            return False
         ptr = array.ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-        if int(err) != 0:
-            self._say_once(what, f"cudaHostRegister of {what} ({nbytes} B) failed with error {int(err)}; "
-                                 "copies go through a pinned bounce buffer instead")
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+        if err != 0:
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} B"
+            self._say_once(what, f"cannot page-lock {what} ({nbytes} B): cudaHostRegister failed with error {err}; "
+                                 f"RLIMIT_MEMLOCK is {limit} (raise it with `ulimit -l unlimited` or the "
+                                 "container's memlock limit); copies go through pinned bounce buffers instead")
             return False
         self._pinned.append((ptr, nbytes))
         return True
