@@ -8,6 +8,7 @@ malformed or tampered value fails its request with a message naming the field.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import msgspec
@@ -15,12 +16,22 @@ import xxhash
 
 from kvconnectors.errors import FailureCause, TransferError
 
-PARAMS_VERSION = 2  # 2: push_target
+PARAMS_VERSION = 3  # 2: push_target; 3: token
 # Tickets a consumer accepts: the previous version too, for one release (a producer pool may still
-# run it while the consumers are upgraded). v1 had no push_target: it reads as "" (pull).
+# run it while the consumers are upgraded). v2 had no token: it reads as "" (its producer, of the
+# previous wire version, checks none).
 ACCEPTED_PARAMS_VERSIONS = (PARAMS_VERSION - 1, PARAMS_VERSION)
 KEY = "kvc"
 _MAX_TOKENS = 1 << 24
+TOKEN_BYTES = 24  # random bytes of a transfer token (192 bits; 32 URL-safe characters)
+_MIN_TOKEN_CHARS = 22  # 16 bytes, the least a ticket may carry
+_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def new_token() -> str:
+    """A transfer's capability: whoever presents it may read, renew, release and locate the
+    transfer on the producer's store server (and nobody else)."""
+    return secrets.token_urlsafe(TOKEN_BYTES)
 
 
 class PeerAddress(msgspec.Struct, array_like=True):
@@ -29,7 +40,7 @@ class PeerAddress(msgspec.Struct, array_like=True):
 
 
 class TransferParams(msgspec.Struct, forbid_unknown_fields=True):
-    """The consumer's ticket to one staged transfer. Version 2."""
+    """The consumer's ticket to one staged transfer. Version 3."""
     v: int
     transfer_id: str
     addrs: list[PeerAddress]        # producer store server per tensor-parallel rank
@@ -43,6 +54,7 @@ class TransferParams(msgspec.Struct, forbid_unknown_fields=True):
     transport: str = "tcp"
     shm_path: str = ""
     push_target: str = ""           # push mode: the landing store (rank 0) the producer streamed to
+    token: str = ""                 # v3: the transfer's capability at the producer's store servers
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -82,6 +94,9 @@ def parse(params: dict[str, Any], prompt_token_ids: list[int] | None, block_size
         raise bad("v", f"this consumer accepts versions {' and '.join(map(str, ACCEPTED_PARAMS_VERSIONS))}")
     if p.v < 2 and p.push_target:
         raise bad("push_target", f"version {p.v} tickets have no push_target (added in version 2)")
+    if p.v < 3 and p.token:  # (a token is never echoed: it is a capability)
+        raise TransferError(FailureCause.BAD_PARAMS, (
+            f"kv_transfer_params.{KEY}.token: version {p.v} tickets have no token (added in version 3)"))
     if not p.transfer_id or len(p.transfer_id) > 512:
         raise bad("transfer_id", "must be 1..512 characters")
     if not p.addrs or any(not (0 < a.port < 65536) or not a.host for a in p.addrs):
@@ -95,6 +110,10 @@ def parse(params: dict[str, Any], prompt_token_ids: list[int] | None, block_size
         raise bad("num_blocks", f"does not match num_tokens={p.num_tokens} at block_size={p.block_size}")
     if not (0 < p.lease_ttl_s < 1e7):
         raise bad("lease_ttl_s", "must be a positive number of seconds")
+    if p.v >= 3 and not (_MIN_TOKEN_CHARS <= len(p.token) <= 128 and set(p.token) <= _TOKEN_CHARS):
+        raise TransferError(FailureCause.BAD_PARAMS, (
+            f"kv_transfer_params.{KEY}.token: a version {p.v} ticket carries the transfer's token, "
+            f"{_MIN_TOKEN_CHARS}..128 URL-safe characters (got {len(p.token)} characters)"))
     if prompt_token_ids is not None:
         if len(prompt_token_ids) != p.num_tokens:
             raise bad("num_tokens", f"but this request's prompt has {len(prompt_token_ids)} tokens")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -18,36 +18,119 @@ from kvconnectors.transport import auth, wire
 from kvconnectors.transport.paths import TCP_PULL, PullPath
 
 
+class _Older(Exception):
+    """The server admits only an older protocol version, which this side may speak."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+
 class StoreClient:
-    def __init__(self, host: str, port: int, *, compat: str, secret: bytes | None = None,
+    """One connection to a store server, authenticated at connect time.
+
+    `compat`: the hash this side presents, or one per protocol version it may speak
+    (wire.compat_hashes: the previous version too). Given both, a server that admits only the
+    previous version (an instance not yet upgraded) is spoken to in that version: one-way
+    authentication and no transfer tokens, which that server does not check anyway. With a
+    `secret`, a server of this version must prove it holds the same secret before this side proves
+    anything (auth.py); one that cannot is refused with cause auth."""
+
+    def __init__(self, host: str, port: int, *, compat: str | Mapping[int, str], secret: bytes | None = None,
                  connect_timeout_s: float = 5.0, peer_name: str = ""):
         self.address = f"{host}:{port}"
+        hashes = dict(compat) if isinstance(compat, Mapping) else {wire.PROTOCOL_VERSION: compat}
+        self._hashes = hashes
+        deadline = time.monotonic() + connect_timeout_s
+        self.session: auth.Session | None = None
+        version = max(hashes)
+        while True:
+            self._connect(host, port, deadline)
+            try:
+                self._handshake(version, hashes[version], secret, peer_name, deadline)
+                return
+            except _Older as older:
+                self.close()
+                version = older.version  # an instance not upgraded yet: speak its version
+            except BaseException:
+                self.close()
+                raise
+
+    def _connect(self, host: str, port: int, deadline: float) -> None:
         try:
-            self.sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+            self.sock = socket.create_connection((host, port), timeout=max(1e-3, deadline - time.monotonic()))
         except OSError as exc:
             raise TransferError(FailureCause.PEER_UNREACHABLE,
                                 f"cannot connect to producer {self.address}: {exc.strerror or exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            self._handshake(compat, secret, peer_name, time.monotonic() + connect_timeout_s)
-        except BaseException:
-            self.close()
-            raise
 
-    def _handshake(self, compat: str, secret: bytes | None, peer_name: str, deadline: float) -> None:
-        wire.send_msg(self.sock, wire.Hello(version=wire.PROTOCOL_VERSION, compat_hash=compat, peer=peer_name))
+    @property
+    def version(self) -> int:
+        return self.session.version if self.session else wire.PROTOCOL_VERSION
+
+    def _handshake(self, version: int, compat: str, secret: bytes | None, peer_name: str,
+                   deadline: float) -> None:
+        nonce = auth.new_nonce() if version >= 4 else None
+        self._send(wire.Hello(version=version, compat_hash=compat, peer=peer_name, nonce=nonce))
         welcome = self._expect(wire.Welcome, deadline)
         if not welcome.ok:
-            raise TransferError(FailureCause.PROTOCOL, f"producer {self.address} refused: {welcome.error}")
+            admitted = wire.admitted_versions(welcome.error)
+            older = wire.PREVIOUS_VERSION
+            if version > older and version not in admitted and older in admitted and older in self._hashes:
+                raise _Older(older)
+            raise TransferError(FailureCause.PROTOCOL, f"producer {self.address} refused: {welcome.error[:500]}")
+        if version < 4:
+            self._legacy_auth(welcome, secret, deadline)
+            self.session = auth.Session(id=auth.session_id(None), version=version,
+                                        authenticated=welcome.nonce is not None, mutual=False, peer=self.address,
+                                        peer_name=peer_name)
+            return
+        if welcome.nonce is None:  # the server holds no secret: it cannot prove anything
+            if secret is not None:
+                raise TransferError(FailureCause.AUTH, (
+                    f"producer {self.address} does not prove the shared secret (it runs without one, or it is "
+                    "not the producer); refusing it because this side holds one"))
+            self.session = auth.Session(id=auth.session_id(None), version=version, authenticated=False,
+                                        mutual=False, peer=self.address, peer_name=peer_name)
+            return
+        if secret is None:
+            raise TransferError(FailureCause.AUTH, f"producer {self.address} requires a shared secret; "
+                                                   f"none is configured here ({auth.SECRET_ENV} or secret_file)")
+        th = auth.transcript(version, compat, peer_name, nonce, welcome.nonce)
+        if not auth.verify_role(secret, auth.ROLE_SERVER, th, welcome.proof):
+            self._abort(deadline)
+            raise TransferError(FailureCause.AUTH, (
+                f"producer {self.address} did not prove the shared secret (another secret, or not the "
+                "producer); nothing was proved to it"))
+        self._send(wire.Proof(mac=auth.prove_role(secret, auth.ROLE_CLIENT, th)))
+        ack = self._expect(wire.Ack, deadline)
+        if not ack.ok:
+            raise TransferError(FailureCause.AUTH, f"producer {self.address}: {ack.message}")
+        self.session = auth.Session(id=auth.session_id(th), version=version, authenticated=True, mutual=True,
+                                    peer=self.address, peer_name=peer_name, key=auth.session_key(secret, th))
+
+    def _legacy_auth(self, welcome: wire.Welcome, secret: bytes | None, deadline: float) -> None:
+        """v3: the server sends a nonce when it requires the secret and proves nothing itself."""
         if welcome.nonce is None:
             return
         if secret is None:
             raise TransferError(FailureCause.AUTH, f"producer {self.address} requires a shared secret; "
                                                    f"none is configured here ({auth.SECRET_ENV} or secret_file)")
-        wire.send_msg(self.sock, wire.Proof(mac=auth.prove(secret, welcome.nonce)))
+        self._send(wire.Proof(mac=auth.prove_legacy(secret, welcome.nonce)))
         ack = self._expect(wire.Ack, deadline)
         if not ack.ok:
             raise TransferError(FailureCause.AUTH, f"producer {self.address}: {ack.message}")
+
+    def _abort(self, deadline: float) -> None:
+        """Tell the server why we hang up (it counts a failed authentication) and wait briefly for
+        it to close, so its count is settled when our caller sees the failure."""
+        try:
+            wire.send_msg(self.sock, wire.Ack(ok=False, cause=FailureCause.AUTH.value,
+                                              message="the server did not prove the shared secret"))
+            self.sock.settimeout(max(1e-3, min(deadline - time.monotonic(), 1.0)))
+            while self.sock.recv(4096):
+                pass
+        except OSError:
+            pass
 
     def _expect(self, kind: type, deadline: float, max_bytes: int = wire.MAX_CONTROL_BYTES):
         msg = wire.recv_msg(self.sock, deadline, max_bytes)
@@ -74,13 +157,15 @@ class StoreClient:
     # ------------------------------------------------------------------ requests
     def read(self, transfer_id: str, layers: Sequence[int], first_block: int, dest: Sequence[memoryview],
              *, fingerprint: str, deadline: float, verify: bool = True, path: PullPath = TCP_PULL,
-             dest_addrs: np.ndarray | None = None) -> int:
+             dest_addrs: np.ndarray | None = None, token: str = "") -> int:
         """Pull blocks [first_block, first_block + len(dest) / len(layers)) of `layers` into
         `dest` (one writable view per (layer, block), layer-major) over `path`. Returns bytes
         received. `dest_addrs` (uint64, one per view) spares a nixl path taking each view's address.
-        A path that does not stream answers Release itself; after a streamed read the caller does."""
+        `token`: the transfer's token from its ticket. A path that does not stream answers Release
+        itself; after a streamed read the caller does."""
         read = wire.Read(transfer_id=transfer_id, layers=list(layers), first_block=first_block,
-                         num_blocks=len(dest) // len(layers), fingerprint=fingerprint, data_path=path.name)
+                         num_blocks=len(dest) // len(layers), fingerprint=fingerprint, data_path=path.name,
+                         token=token)
         self._send(read)
         # Checksums and offsets grow with the prompt: allow ~32 bytes per (layer, block) beyond the
         # usual control-frame limit, still bounded by what this read asked for.
@@ -90,9 +175,9 @@ class StoreClient:
         def pull() -> int:
             return path.read_into(self.sock, self.address, read, reply, dest, deadline=deadline, sums=sums,
                                   dest_addrs=dest_addrs)
-        return pull() if path.streams else self._then_release(transfer_id, deadline, pull)
+        return pull() if path.streams else self._then_release(transfer_id, deadline, pull, token)
 
-    def _then_release(self, transfer_id: str, deadline: float, pull) -> int:
+    def _then_release(self, transfer_id: str, deadline: float, pull, token: str = "") -> int:
         """shm / nixl: run `pull` (copy or READ, then verify), then Release. On failure answer
         Ack(ok=False) instead, so the producer stops serving this read and keeps the entry (a retry
         can still have it), and the connection stays in step."""
@@ -104,7 +189,7 @@ class StoreClient:
             except OSError:
                 pass
             raise
-        self._send(wire.Release(transfer_id=transfer_id))
+        self._send(wire.Release(transfer_id=transfer_id, token=token))
         self._expect(wire.Ack, deadline)
         return nbytes
 
@@ -115,19 +200,25 @@ class StoreClient:
             raise TransferError(FailureCause.PEER_UNREACHABLE,
                                 f"connection to producer {self.address} lost: {exc.strerror or exc}") from None
 
-    def renew(self, transfer_ids: Sequence[str], deadline: float, batch: int = 4096) -> wire.RenewReply:
-        """Renew many leases, in frames of at most `batch` ids (the server's limit)."""
+    def renew(self, transfer_ids: Sequence[str], deadline: float, batch: int = wire.MAX_RENEW,
+              tokens: Sequence[str] | None = None) -> wire.RenewReply:
+        """Renew many leases (`tokens`: each one's token, in the same order), in frames within the
+        server's limits (wire.MAX_RENEW ids, wire.MAX_RENEW_BYTES of ids and tokens), so that every
+        reply fits the control-frame limit too."""
         out = wire.RenewReply(remaining={}, missing={})
         ids = list(transfer_ids)
-        for i in range(0, len(ids), batch):
-            wire.send_msg(self.sock, wire.Renew(transfer_ids=ids[i:i + batch]))
+        toks = list(tokens) if tokens is not None else None
+        if toks is not None and len(toks) != len(ids):
+            raise ValueError(f"{len(toks)} tokens for {len(ids)} transfer ids")
+        for i, j in wire.renew_batches(ids, toks, batch):
+            self._send(wire.Renew(transfer_ids=ids[i:j], tokens=None if toks is None else toks[i:j]))
             reply = self._expect(wire.RenewReply, deadline)
             out.remaining.update(reply.remaining)
             out.missing.update(reply.missing)
         return out
 
-    def release(self, transfer_id: str, deadline: float) -> None:
-        wire.send_msg(self.sock, wire.Release(transfer_id=transfer_id))
+    def release(self, transfer_id: str, deadline: float, token: str = "") -> None:
+        self._send(wire.Release(transfer_id=transfer_id, token=token))
         self._expect(wire.Ack, deadline)
 
     def push(self, msg: wire.Push, data: Sequence[memoryview], deadline: float,
@@ -157,12 +248,12 @@ class StoreClient:
                                     message=error.detail))
         self._expect(wire.Ack, deadline)
 
-    def locate(self, transfer_id: str, deadline: float) -> wire.LocateReply:
-        self._send(wire.Locate(transfer_id=transfer_id))
+    def locate(self, transfer_id: str, deadline: float, token: str = "") -> wire.LocateReply:
+        self._send(wire.Locate(transfer_id=transfer_id, token=token))
         return self._expect(wire.LocateReply, deadline)
 
     def status(self, deadline: float) -> wire.StatusReply:
-        wire.send_msg(self.sock, wire.Status())
+        self._send(wire.Status())
         return self._expect(wire.StatusReply, deadline)
 
 
@@ -171,6 +262,6 @@ def store_status(host: str, port: int, *, secret: bytes | None = None, timeout_s
     from kvconnectors.transport.auth import load_secret
 
     secret = secret if secret is not None else load_secret()
-    with StoreClient(host, port, compat=wire.compat_hash("tiered"), secret=secret,
+    with StoreClient(host, port, compat=wire.compat_hashes("tiered"), secret=secret,
                      connect_timeout_s=timeout_s) as client:
         return client.status(time.monotonic() + timeout_s)

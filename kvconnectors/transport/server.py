@@ -1,23 +1,52 @@
 """The store server: serves staged KV to consumers over the control protocol.
 
-One thread per connection, blocking sockets: an idle server costs no CPU. Every request is
-validated before it touches the store; a bad request gets a typed error reply and the
-connection (and the server) keep serving. The data paths it offers (paths.py) move the bytes;
-peers of the previous protocol version are admitted too (wire.ACCEPTED_VERSIONS).
+One thread per connection, blocking sockets: an idle server costs no CPU. Threads are bounded
+before they start: the accept thread admits a connection only within the caps below and closes
+any other at once (no thread, no read):
+
+    max_connections        all open connections
+    max_pending            connections that have not finished their handshake
+    max_pending_per_peer   of those, from one peer address (an IPv6 peer: its /64); default half
+                           of max_pending, so one address never holds all of them
+    max_per_peer           all connections of one peer address
+
+A connection must finish its handshake (Hello, and the shared-secret proofs when the server holds
+one) within `handshake_timeout_s` of being accepted, all steps together; an authenticated one is
+closed after `idle_timeout_s` without a request. So 400 sockets from one address that never
+authenticate hold at most max_pending_per_peer threads for at most handshake_timeout_s each, while
+other peers keep being served (tests/security/test_dos.py).
+
+Every request is validated before it touches the store; a bad request gets a typed error reply and
+the connection (and the server) keep serving; a request that raises anything else (a bug) is logged,
+counted ("internal") and its connection closed, never the thread left to die unanswered.
+
+Per-transfer capabilities: the worker `grant`s each staged transfer the token of its ticket;
+Read, Renew, Release and Locate of a granted transfer must present that token, and a wrong or
+missing one is answered exactly like an unknown id. With `require_grants` (a producer's server)
+an id never granted is unknown too. Refusals sent to a peer that has not authenticated name
+neither this server's compat hash nor its layout fingerprint; failed authentications are counted
+(ServerCounters.auth_failures, StatusReply.auth_failures) and logged at most once per
+`log_interval_s` with the count of those not logged. Peers of the previous protocol version are
+admitted too (wire.ACCEPTED_VERSIONS) unless `compat` names only the current one.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import socket
+import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.errors import FailureCause, TransferError, UnknownTransferError
 from kvconnectors.logs import get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import auth, wire
+from kvconnectors.transport.auth import Session
 from kvconnectors.transport.faults import FaultPlan, FaultRule, with_fault
 from kvconnectors.transport.landing import ConnectionState, Landing
 from kvconnectors.transport.nixl import NixlSource
@@ -25,7 +54,9 @@ from kvconnectors.transport.paths import (PULL_UNOFFERED, SHM_PULL, TCP_PULL, Ni
                                          trailing_bytes)
 
 logger = get_logger(__name__)
-MAX_RENEW = 4096  # transfer ids per Renew message
+MAX_RENEW = wire.MAX_RENEW  # transfer ids per Renew message
+HANDSHAKE_TIMEOUT_S = 2.0   # accept to authenticated, every step together
+MAX_GRANTS = 1 << 16        # remembered transfer tokens (ended transfers are forgotten first)
 
 
 @dataclass
@@ -41,6 +72,30 @@ class ServerCounters:
         self.rejected[cause] = self.rejected.get(cause, 0) + 1
 
 
+class LogLimiter:
+    """At most one log line per `interval_s` and key; the next line says how many were left out."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = interval_s
+        self._state: dict[str, list[float]] = {}  # key -> [next allowed time, suppressed count]
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            st = self._state.get(key)
+            if st is not None and now < st[0]:
+                st[1] += 1
+                return False
+            left_out = int(st[1]) if st is not None else 0
+            self._state[key] = [now + self.interval_s, 0]
+        if left_out:
+            msg += " (%d more like it in the last %.0f s not logged)"
+            args = (*args, left_out, self.interval_s)
+        logger.warning(msg, *args, exc_info=exc_info)
+        return True
+
+
 class StoreServer:
     """Serves `store` on (host, port); port 0 picks a free one (see `.port`)."""
 
@@ -49,22 +104,36 @@ class StoreServer:
                  idle_timeout_s: float = 300.0, seal_wait_s: float = 10.0,
                  staging_failure: Callable[[str], TransferError | None] | None = None,
                  faults: FaultPlan | None = None, max_connections: int = 256, nixl: bool = False,
-                 landing: Landing | None = None, paths: Sequence[PullPath] | None = None):
+                 landing: Landing | None = None, paths: Sequence[PullPath] | None = None,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, max_pending: int = 64,
+                 max_pending_per_peer: int | None = None, max_per_peer: int = 64,
+                 require_grants: bool = False, max_grants: int = MAX_GRANTS, log_interval_s: float = 10.0):
         """`compat`: the hash peers must present, or one per admitted protocol version
         (wire.compat_hashes: peers of the previous version too). `paths`: the pull data paths
-        offered (default: tcp, shm when the store has an arena, nixl when `nixl`)."""
+        offered (default: tcp, shm when the store has an arena, nixl when `nixl`).
+        `require_grants`: an id never granted a token is unknown (a producer's server, where every
+        transfer is granted when its staging starts)."""
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
         self.compat = dict(compat) if isinstance(compat, Mapping) else {wire.PROTOCOL_VERSION: compat}
         self.secret = secret
         self.idle_timeout_s, self.seal_wait_s = idle_timeout_s, seal_wait_s
+        self.handshake_timeout_s = handshake_timeout_s
         self.staging_failure = staging_failure or (lambda tid: None)
         self.counters = ServerCounters()
         self.faults = faults
         self.landing = landing  # push mode: producers stream KV into this store (consumer side)
-        self.max_connections = max_connections
+        self.max_connections, self.max_pending, self.max_per_peer = max_connections, max_pending, max_per_peer
+        self.max_pending_per_peer = max(1, max_pending // 2) if max_pending_per_peer is None else max_pending_per_peer
+        self.require_grants, self.max_grants = require_grants, max_grants
+        self.log = LogLimiter(log_interval_s)
         self._lock = threading.Lock()
         self._sealed = threading.Condition()
         self._conns: set[socket.socket] = set()
+        self._pending = 0
+        self._per_peer: dict[str, int] = {}
+        self._pending_per_peer: dict[str, int] = {}
+        self._grants: OrderedDict[str, str] = OrderedDict()
+        self._grants_lock = threading.Lock()
         self._closed = False
         if paths is None:
             # nixl: one agent for the server's life, the whole arena registered once (TransferError if
@@ -81,7 +150,7 @@ class StoreServer:
             self._listener.close()
             self._close_paths()
             raise OSError(exc.errno, f"kvconnectors store server cannot bind {host}:{port}: {exc.strerror}") from None
-        self._listener.listen(128)
+        self._listener.listen(512)
         self.host, self.port = self._listener.getsockname()[:2]
         # A blocking accept() in its own thread: no polling while idle; close() wakes it.
         self._thread = threading.Thread(target=self._accept_loop, name="kvc-store-server", daemon=True)
@@ -90,20 +159,103 @@ class StoreServer:
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return  # listener shut down
-            if self.active_connections >= self.max_connections:
-                # One thread per connection: bound them, or a flood of idle peers exhausts the worker.
-                self.counters.reject("too_many_connections")
-                sock.close()
+                sock, addr = self._listener.accept()
+            except OSError as exc:
+                if self._closed:
+                    return  # listener shut down
+                # EMFILE / ENFILE / ECONNABORTED: keep accepting once descriptors are free again
+                self.log.warning("accept", "store server %s:%s cannot accept a connection: %s", self.host,
+                                 self.port, exc)
+                time.sleep(0.05)
+                continue
+            key = _peer_key(addr)
+            refused = self._admit(sock, key)
+            if refused:
+                self.counters.reject(refused)
+                self.log.warning("cap", "refused a connection from %s: %s", key, refused.replace("_", " "))
+                _close_now(sock)
                 continue
             try:
-                threading.Thread(target=self._serve_connection, args=(sock,), name="kvc-store-conn",
-                                 daemon=True).start()
+                threading.Thread(target=self._serve_connection, args=(sock, key, time.monotonic()),
+                                 name="kvc-store-conn", daemon=True).start()
             except RuntimeError:  # cannot start a thread: refuse this peer, keep accepting
+                self._leave(sock, key, pending=True)
                 self.counters.reject("too_many_connections")
-                sock.close()
+                _close_now(sock)
+
+    def _admit(self, sock: socket.socket, key: str) -> str:
+        """Count the connection in, or say which cap refuses it ("" when admitted)."""
+        with self._lock:
+            if len(self._conns) >= self.max_connections:
+                return "too_many_connections"
+            if self._pending >= self.max_pending:
+                return "too_many_pending"
+            if (self._per_peer.get(key, 0) >= self.max_per_peer
+                    or self._pending_per_peer.get(key, 0) >= self.max_pending_per_peer):
+                return "too_many_per_peer"
+            self._conns.add(sock)
+            self._pending += 1
+            self._per_peer[key] = self._per_peer.get(key, 0) + 1
+            self._pending_per_peer[key] = self._pending_per_peer.get(key, 0) + 1
+            self.counters.connections += 1
+        return ""
+
+    def _authenticated(self, key: str) -> None:
+        with self._lock:
+            self._pending -= 1
+            _decrement(self._pending_per_peer, key)
+
+    def _leave(self, sock: socket.socket, key: str, pending: bool) -> None:
+        with self._lock:
+            if sock not in self._conns:
+                return
+            self._conns.discard(sock)
+            _decrement(self._per_peer, key)
+            if pending:
+                self._pending -= 1
+                _decrement(self._pending_per_peer, key)
+
+    # ------------------------------------------------------------------ capabilities
+    def grant(self, transfer_id: str, token: str) -> None:
+        """From now on, `transfer_id` answers only to `token` (the ticket's). Bounded: beyond
+        max_grants the oldest grants of transfers the store no longer holds are forgotten first."""
+        if not token:
+            return
+        with self._grants_lock:
+            self._grants[transfer_id] = token
+            self._grants.move_to_end(transfer_id)
+            if len(self._grants) > self.max_grants:
+                self._prune_grants()
+
+    def revoke(self, transfer_id: str) -> None:
+        with self._grants_lock:
+            self._grants.pop(transfer_id, None)
+
+    @property
+    def grants(self) -> int:
+        with self._grants_lock:
+            return len(self._grants)
+
+    def _prune_grants(self) -> None:
+        target = self.max_grants * 3 // 4
+        for tid in list(self._grants):
+            if len(self._grants) <= target:
+                return
+            if not self.store.contains(tid):
+                del self._grants[tid]
+        while len(self._grants) > self.max_grants:  # every one still held: forget the oldest
+            self._grants.popitem(last=False)
+
+    def _authorized(self, transfer_id: str, token: str) -> bool:
+        with self._grants_lock:
+            want = self._grants.get(transfer_id)
+        if want is None:
+            return not self.require_grants
+        return bool(token) and hmac.compare_digest(want.encode(), token.encode())
+
+    def _check_token(self, transfer_id: str, token: str) -> None:
+        if not self._authorized(transfer_id, token):  # worded exactly as the store words an unknown id
+            raise UnknownTransferError(f"transfer {transfer_id!r} is not in this store")
 
     # ------------------------------------------------------------------ lifecycle
     def notify_sealed(self) -> None:
@@ -147,16 +299,17 @@ class StoreServer:
             return len(self._conns)
 
     # ------------------------------------------------------------------ per connection
-    def _serve_connection(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with self._lock:
-            self._conns.add(sock)
-            self.counters.connections += 1
+    def _serve_connection(self, sock: socket.socket, key: str = "?", accepted_at: float | None = None) -> None:
+        pending = True
         conn = ConnectionState(_peer(sock))
         try:
-            version = self._handshake(sock)
-            if version is None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            session = self._handshake(sock, (accepted_at or time.monotonic()) + self.handshake_timeout_s)
+            if session is None:
                 return
+            conn.session = session  # landing.py: the authenticated producer session of this connection
+            self._authenticated(key)
+            pending = False
             while True:
                 try:
                     msg = wire.recv_msg(sock, deadline=time.monotonic() + self.idle_timeout_s)
@@ -165,58 +318,117 @@ class StoreServer:
                         self.counters.reject("protocol")
                         wire.send_refusal(sock, exc)
                     return  # peer closed, idle or sent garbage: drop the connection only
-                self._dispatch(sock, msg, conn, version)
+                if not self._dispatch(sock, msg, conn, session.version, session):
+                    return
         except OSError:
             pass
+        except Exception as exc:  # a bug: close this connection, log it (rate-limited), keep serving
+            self.counters.reject("internal")
+            self.log.warning("internal", "store server: internal error on the connection from %s: %r",
+                             _peer(sock), exc, exc_info=True)
         finally:
             if self.landing is not None and conn.open:
-                self.landing.connection_closed(conn)
-            with self._lock:
-                self._conns.discard(sock)
+                try:
+                    self.landing.connection_closed(conn)
+                except Exception as exc:
+                    self.log.warning("internal", "store server: landing cleanup for %s failed: %r",
+                                     conn.peer, exc, exc_info=True)
+            self._leave(sock, key, pending)
             sock.close()
 
-    def _handshake(self, sock: socket.socket) -> int | None:
-        """The peer's protocol version once it is admitted; None when refused."""
+    def _handshake(self, sock: socket.socket, deadline: float) -> Session | None:
+        """The peer's session once it is admitted; None when refused. `deadline` bounds every step
+        together."""
+        peer = _peer(sock)
         try:
-            hello = wire.recv_msg(sock, deadline=time.monotonic() + 10)
-        except TransferError:
-            self.counters.reject("protocol")
+            hello = wire.recv_msg(sock, deadline=deadline)
+        except TransferError as exc:
+            self.counters.reject("handshake_timeout" if exc.cause is FailureCause.TIMEOUT else "protocol")
             return None
         if not isinstance(hello, wire.Hello):
             self.counters.reject("protocol")
-            wire.send_msg(sock, wire.Welcome(ok=False, error=f"expected Hello, got {type(hello).__name__}"))
+            self._welcome_refusal(sock, f"expected Hello, got {type(hello).__name__}")
             return None
         refused = wire.check_hello(hello, self.compat)
         if refused:
             self.counters.reject("protocol")
-            wire.send_msg(sock, wire.Welcome(ok=False, error=refused))
+            ours = max(self.compat)
+            self.log.warning("hello", "refused peer %s: %s; this server speaks v%d compat %s", peer, refused,
+                             ours, self.compat[ours])
+            self._welcome_refusal(sock, refused)
+            return None
+        if hello.version < 4:
+            return self._legacy_handshake(sock, hello, peer, deadline)
+        if not isinstance(hello.nonce, bytes) or len(hello.nonce) != auth.NONCE_BYTES:
+            self.counters.reject("protocol")
+            self._welcome_refusal(sock, f"a v{hello.version} Hello carries a {auth.NONCE_BYTES}-byte nonce")
             return None
         if self.secret is None:
             wire.send_msg(sock, wire.Welcome(ok=True))
-            return hello.version
+            return Session(id=auth.session_id(None), version=hello.version, authenticated=False, mutual=False,
+                           peer=peer, peer_name=hello.peer)
+        nonce = auth.new_nonce()
+        th = auth.transcript(hello.version, hello.compat_hash, hello.peer, hello.nonce, nonce)
+        wire.send_msg(sock, wire.Welcome(ok=True, nonce=nonce, proof=auth.prove_role(self.secret, auth.ROLE_SERVER, th)))
+        try:
+            proof = wire.recv_msg(sock, deadline=deadline)
+        except TransferError:
+            proof = None
+        if not isinstance(proof, wire.Proof) or not auth.verify_role(self.secret, auth.ROLE_CLIENT, th, proof.mac):
+            self._auth_failed(sock, peer, proof)
+            return None
+        wire.send_msg(sock, wire.Ack(ok=True))
+        return Session(id=auth.session_id(th), version=hello.version, authenticated=True, mutual=True, peer=peer,
+                       peer_name=hello.peer, key=auth.session_key(self.secret, th))
+
+    def _legacy_handshake(self, sock: socket.socket, hello: wire.Hello, peer: str, deadline: float) -> Session | None:
+        """v3: the one-way challenge (the server signs nothing; the peer signs our nonce)."""
+        if self.secret is None:
+            wire.send_msg(sock, wire.Welcome(ok=True))
+            return Session(id=auth.session_id(None), version=hello.version, authenticated=False, mutual=False,
+                           peer=peer, peer_name=hello.peer)
         nonce = auth.new_nonce()
         wire.send_msg(sock, wire.Welcome(ok=True, nonce=nonce))
         try:
-            proof = wire.recv_msg(sock, deadline=time.monotonic() + 10)
+            proof = wire.recv_msg(sock, deadline=deadline)
         except TransferError:
             proof = None
-        if not isinstance(proof, wire.Proof) or not auth.verify(self.secret, nonce, proof.mac):
-            self.counters.auth_failures += 1
-            self.counters.reject("auth")
-            logger.warning("refused an unauthenticated peer %s", _peer(sock))
-            wire.send_msg(sock, wire.Ack(ok=False, cause=FailureCause.AUTH.value,
-                                         message="shared-secret authentication failed"))
+        if not isinstance(proof, wire.Proof) or not auth.verify_legacy(self.secret, nonce, proof.mac):
+            self._auth_failed(sock, peer, proof)
             return None
         wire.send_msg(sock, wire.Ack(ok=True))
-        return hello.version
+        return Session(id=auth.session_id(None), version=hello.version, authenticated=True, mutual=False, peer=peer,
+                       peer_name=hello.peer)
+
+    def _welcome_refusal(self, sock: socket.socket, error: str) -> None:
+        try:
+            wire.send_msg(sock, wire.Welcome(ok=False, error=error[:wire.MAX_MESSAGE]))
+        except OSError:
+            pass
+
+    def _auth_failed(self, sock: socket.socket, peer: str, proof: object) -> None:
+        with self._lock:
+            self.counters.auth_failures += 1
+        self.counters.reject("auth")
+        why = ("no proof before the deadline" if proof is None else
+               "a wrong proof" if isinstance(proof, wire.Proof) else f"{type(proof).__name__} instead of a proof")
+        self.log.warning("auth", "refused an unauthenticated peer %s (%s; %d failed authentications so far)",
+                         peer, why, self.counters.auth_failures)
+        try:
+            wire.send_msg(sock, wire.Ack(ok=False, cause=FailureCause.AUTH.value,
+                                         message="shared-secret authentication failed"))
+        except OSError:
+            pass
 
     def _dispatch(self, sock: socket.socket, msg: wire.Message, conn: ConnectionState,
-                  version: int = wire.PROTOCOL_VERSION) -> None:
+                  version: int = wire.PROTOCOL_VERSION, session: Session | None = None) -> bool:
+        """Answer one request; False when the connection must close."""
+        session = session or Session(id="", version=version, authenticated=False, mutual=False, peer=conn.peer)
         fault = self._fault(msg)
         if fault is not None and fault.action in ("drop", "disconnect"):
             if fault.action == "disconnect":
                 sock.shutdown(socket.SHUT_RDWR)
-            return  # drop: never answer; the peer's deadline must catch it
+            return True  # drop: never answer; the peer's deadline must catch it
         try:
             try:
                 wire.check_since(msg, version)  # an older peer: only what its version had
@@ -225,10 +437,10 @@ class StoreServer:
                     self.counters.reject(exc.cause.value)
                     wire.send_refusal(sock, exc)
                     sock.shutdown(socket.SHUT_RDWR)  # the pushed bytes are not read
-                    return
+                    return True
                 raise
             if isinstance(msg, wire.Read):
-                self._read(sock, msg, fault)
+                self._read(sock, msg, fault, session)
             elif isinstance(msg, wire.Renew):
                 self._renew(sock, msg)
             elif isinstance(msg, wire.Release):
@@ -244,7 +456,7 @@ class StoreServer:
                             "this store server does not accept pushes (start the consumer with "
                             "transfer_mode 'push')")))
                         sock.shutdown(socket.SHUT_RDWR)  # the pushed bytes are not read
-                        return
+                        return True
                     raise TransferError(FailureCause.PROTOCOL, "this store server does not accept pushes "
                                                                "(start the consumer with transfer_mode 'push')")
                 if isinstance(msg, wire.Push):
@@ -256,6 +468,19 @@ class StoreServer:
         except TransferError as exc:
             self.counters.reject(exc.cause.value)
             wire.send_refusal(sock, exc, read=isinstance(msg, wire.Read))
+        except OSError:
+            raise
+        except Exception as exc:
+            # A bug (IndexError, ValueError, ...): this request may have half-answered, so the
+            # connection is out of step. Say so where nothing streams after the reply, then close.
+            self.counters.reject("internal")
+            self.log.warning("internal", "store server: internal error on %s from %s: %r", type(msg).__name__,
+                             conn.peer, exc, exc_info=True)
+            if not isinstance(msg, (wire.Read, wire.Push)):
+                wire.send_refusal(sock, TransferError(FailureCause.PROTOCOL, (
+                    f"internal error on {type(msg).__name__}; the server closes this connection")))
+            return False
+        return True
 
     def _fault(self, msg: wire.Message) -> FaultRule | None:
         if self.faults is None:
@@ -270,14 +495,17 @@ class StoreServer:
         return fault
 
     # ------------------------------------------------------------------ requests
-    def _validate_read(self, msg: wire.Read) -> PullPath:
+    def _validate_read(self, msg: wire.Read, session: Session | None = None) -> PullPath:
         wire.check_transfer_id(msg.transfer_id)
-        wire.check_fingerprint(msg.fingerprint, self.fingerprint, peer="consumer", us="producer")
+        wire.check_fingerprint(msg.fingerprint, self.fingerprint, peer="consumer", us="producer",
+                               reveal=session is not None and session.authenticated)
         wire.check_layers(msg.layers, self.num_layers)
-        if msg.first_block < 0 or msg.num_blocks < 1:
+        if not (0 <= msg.first_block < MAX_BLOCKS and 1 <= msg.num_blocks <= MAX_BLOCKS):
             raise TransferError(FailureCause.PROTOCOL,
                                 f"bad block range first_block={msg.first_block} num_blocks={msg.num_blocks}")
-        return offered(self.paths, msg.data_path, PULL_UNOFFERED, "data_path")
+        path = offered(self.paths, msg.data_path, PULL_UNOFFERED, "data_path")
+        self._check_token(msg.transfer_id, msg.token)
+        return path
 
     def _wait_sealed(self, tid: str) -> None:
         deadline = time.monotonic() + self.seal_wait_s
@@ -293,8 +521,9 @@ class StoreServer:
                     raise TransferError(FailureCause.TIMEOUT, f"transfer {tid!r} was not fully staged in time")
                 self._sealed.wait(left)
 
-    def _read(self, sock: socket.socket, msg: wire.Read, fault: FaultRule | None = None) -> None:
-        path = with_fault(self._validate_read(msg), fault)
+    def _read(self, sock: socket.socket, msg: wire.Read, fault: FaultRule | None = None,
+              session: Session | None = None) -> None:
+        path = with_fault(self._validate_read(msg, session), fault)
         self._wait_sealed(msg.transfer_id)
         ttl = self.store.renew(msg.transfer_id)  # a consumer pulling keeps the lease alive
         info = self.store.info(msg.transfer_id)
@@ -344,12 +573,22 @@ class StoreServer:
         if len(msg.transfer_ids) > MAX_RENEW:
             raise TransferError(FailureCause.PROTOCOL, f"{len(msg.transfer_ids)} transfer ids in one Renew; "
                                                        f"the limit is {MAX_RENEW}")
-        for tid in msg.transfer_ids:
+        if msg.tokens is not None and len(msg.tokens) != len(msg.transfer_ids):
+            raise TransferError(FailureCause.PROTOCOL, f"a Renew with {len(msg.tokens)} tokens for "
+                                                       f"{len(msg.transfer_ids)} transfer ids")
+        size = wire.renew_bytes(msg.transfer_ids, msg.tokens)
+        if size > wire.MAX_RENEW_BYTES:  # its reply might not fit a frame
+            raise TransferError(FailureCause.PROTOCOL, f"a Renew of {size} bytes of ids and tokens; the limit "
+                                                       f"is {wire.MAX_RENEW_BYTES} (split it)")
+        for i, tid in enumerate(msg.transfer_ids):
+            if not self._authorized(tid, msg.tokens[i] if msg.tokens is not None else ""):
+                missing[tid] = FailureCause.UNKNOWN_TRANSFER.value
+                continue
             try:
                 remaining[tid] = self.store.renew(tid)
             except TransferError as exc:
                 missing[tid] = exc.cause.value
-        wire.send_msg(sock, wire.RenewReply(remaining=remaining, missing=missing))
+        wire.send_msg(sock, wire.RenewReply(remaining=remaining, missing=missing), limit=wire.MAX_CONTROL_BYTES)
 
     def _status(self, sock: socket.socket) -> None:
         usage = self.store.usage()
@@ -358,10 +597,12 @@ class StoreServer:
             entries=usage["entries"], dram_used_bytes=usage["dram"]["used_bytes"],
             nvme_used_bytes=usage["nvme"]["used_bytes"], pinned=usage["pinned"],
             active_connections=self.active_connections - 1, counters=counters,  # minus this one
-            rejected=dict(self.counters.rejected)))
+            rejected=dict(self.counters.rejected), auth_failures=self.counters.auth_failures),
+            limit=wire.MAX_CONTROL_BYTES)
 
     def _locate(self, sock: socket.socket, msg: wire.Locate) -> None:
         try:
+            self._check_token(msg.transfer_id, msg.token)
             info = self.store.info(msg.transfer_id)
         except TransferError:
             wire.send_msg(sock, wire.LocateReply(found=False))
@@ -369,8 +610,12 @@ class StoreServer:
         wire.send_msg(sock, wire.LocateReply(found=True, dram_slots=info.dram_slots, nvme_slots=info.nvme_slots))
 
     def _release(self, sock: socket.socket, msg: wire.Release) -> None:
+        self._check_token(msg.transfer_id, msg.token)
         self.store.release(msg.transfer_id)  # no-op for an entry that already ended
         wire.send_msg(sock, wire.Ack(ok=True))
+
+
+MAX_BLOCKS = 1 << 24  # blocks of one read (a prompt of 16M tokens at block size 1)
 
 
 def _peer(sock: socket.socket) -> str:
@@ -378,3 +623,33 @@ def _peer(sock: socket.socket) -> str:
         return "%s:%s" % sock.getpeername()[:2]
     except OSError:
         return "?"
+
+
+def _peer_key(addr: tuple) -> str:
+    """What the per-peer caps count by: the IPv4 address, or an IPv6 peer's /64."""
+    try:
+        ip = ipaddress.ip_address(str(addr[0]).split("%", 1)[0])
+    except (ValueError, IndexError):
+        return str(addr)
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
+
+
+def _close_now(sock: socket.socket) -> None:
+    """Close a refused connection at once, with a reset (no TIME_WAIT, no read)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()

@@ -17,6 +17,16 @@ Version history:
       that carries seal=True (one round trip less on the critical path). Push data_path
       "inline" sends the bytes after the frame; "nixl" names arena offsets the landing side READs.
       Locate/LocateReply: which tier holds an entry's slots (vLLM's cache-hit source, host/disk).
+  4 - mutual authentication and per-transfer capabilities. Hello carries the client's nonce;
+      Welcome the server's nonce and, when the server holds the shared secret, its proof over both
+      nonces and the Hello (auth.py); the client proves itself over the same transcript with its
+      own role label, so a proof cannot be relayed or reflected. Read, Renew (`tokens`), Release
+      and Locate carry the transfer's token from the ticket (`kvc.token`): an entry granted a token
+      answers only to it, and a wrong or missing token reads exactly like an unknown id.
+      Push carries the token too (the landing side may bind the landed entry to it). StatusReply
+      gains auth_failures. A v3 peer (the previous version) is still admitted unless the server
+      refuses previous-version peers; it authenticates one way only and presents no tokens, so it
+      reaches no entry that was granted one.
 
 Rolling upgrades: a server accepts peers of the previous version too (ACCEPTED_VERSIONS), for one
 release, so prefill and decode pools can be upgraded one at a time. Messages both versions share
@@ -28,6 +38,7 @@ named. Anything older is refused at the handshake, naming both sides.
 from __future__ import annotations
 
 import hashlib
+import re
 import socket
 import struct
 import time
@@ -37,9 +48,13 @@ import msgspec
 
 from kvconnectors.errors import FailureCause, TransferError
 
-PROTOCOL_VERSION = 3
-ACCEPTED_VERSIONS = (PROTOCOL_VERSION - 1, PROTOCOL_VERSION)  # the previous one for one release
+PROTOCOL_VERSION = 4
+PREVIOUS_VERSION = PROTOCOL_VERSION - 1
+ACCEPTED_VERSIONS = (PREVIOUS_VERSION, PROTOCOL_VERSION)  # the previous one for one release
 MAX_CONTROL_BYTES = 1 << 20  # a control frame is metadata only; data never travels in frames
+MAX_PEER_NAME = 256          # Hello.peer: a name for logs, not a payload
+MAX_TOKEN = 128              # a transfer token's length (the scheduler's are 32 characters)
+MAX_MESSAGE = 2000           # characters of a refusal's message: diagnostics, not payload
 _LEN = struct.Struct("!I")
 
 
@@ -47,12 +62,14 @@ class Hello(msgspec.Struct, tag=True):
     version: int
     compat_hash: str
     peer: str = ""
+    nonce: bytes | None = None  # v4: the client's fresh nonce (auth.NONCE_BYTES), always sent
 
 
 class Welcome(msgspec.Struct, tag=True):
     ok: bool
     nonce: bytes | None = None  # present when the server requires the shared secret
     error: str = ""
+    proof: bytes | None = None  # v4, with nonce: the server's proof over the transcript (auth.py)
 
 
 class Proof(msgspec.Struct, tag=True):
@@ -67,6 +84,7 @@ class Read(msgspec.Struct, tag=True):
     num_blocks: int
     fingerprint: str
     data_path: str = "inline"  # inline: bytes follow the reply on this socket; shm / nixl: offsets only
+    token: str = ""            # v4: the transfer's token from the ticket
 
 
 class ReadReply(msgspec.Struct, tag=True):
@@ -84,6 +102,7 @@ class ReadReply(msgspec.Struct, tag=True):
 
 class Renew(msgspec.Struct, tag=True):
     transfer_ids: list[str]
+    tokens: list[str] | None = None  # v4: one per transfer id, in the same order ("" for none)
 
 
 class RenewReply(msgspec.Struct, tag=True):
@@ -93,6 +112,7 @@ class RenewReply(msgspec.Struct, tag=True):
 
 class Release(msgspec.Struct, tag=True):
     transfer_id: str
+    token: str = ""  # v4
 
 
 class Ack(msgspec.Struct, tag=True):
@@ -113,6 +133,7 @@ class StatusReply(msgspec.Struct, tag=True):
     active_connections: int
     counters: dict[str, int]
     rejected: dict[str, int] = msgspec.field(default_factory=dict)  # server refusals by cause (auth, ...)
+    auth_failures: int = 0  # v4: handshakes that failed the shared-secret proof, since start
 
 
 class Push(msgspec.Struct, tag=True):
@@ -132,6 +153,7 @@ class Push(msgspec.Struct, tag=True):
     nixl_agent_meta: bytes | None = None  # nixl: the sender agent's metadata (first Push per connection)
     nixl_base_address: int = 0
     seal: bool = False                    # the transfer's last Push: seal after landing it (no PushEnd)
+    token: str = ""                       # v4: the transfer's token (the landing side may bind it)
 
 
 class PushEnd(msgspec.Struct, tag=True):
@@ -146,6 +168,7 @@ class PushEnd(msgspec.Struct, tag=True):
 class Locate(msgspec.Struct, tag=True):
     """Where does the store hold this transfer (DRAM / NVMe slots)?"""
     transfer_id: str
+    token: str = ""  # v4
 
 
 class LocateReply(msgspec.Struct, tag=True):
@@ -156,7 +179,8 @@ class LocateReply(msgspec.Struct, tag=True):
 
 Message = Union[Hello, Welcome, Proof, Read, ReadReply, Renew, RenewReply, Release, Ack, Status, StatusReply,
                 Push, PushEnd, Locate, LocateReply]
-# The version that introduced each message younger than ACCEPTED_VERSIONS[0] (the rest exist in both).
+# The version that introduced each message (those missing exist in every accepted version). None is
+# younger than ACCEPTED_VERSIONS[0] today: v4 added fields (with defaults), not messages.
 SINCE: dict[type, int] = {Push: 3, PushEnd: 3, Locate: 3, LocateReply: 3}
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -177,13 +201,26 @@ def compat_hashes(*parts: str) -> dict[int, str]:
 
 def check_hello(hello: Hello, compat: dict[int, str]) -> str:
     """Why this server refuses the peer's Hello ("" when it admits it). `compat`: the hash a peer of
-    each version this server admits must present."""
+    each version this server admits must present. The answer goes to a peer that has not
+    authenticated: it names the versions admitted (what a peer needs to speak) and the peer's own
+    values, never this server's compat hash (the server logs that itself)."""
     if compat.get(hello.version) == hello.compat_hash:
+        if len(hello.peer) > MAX_PEER_NAME:
+            return f"incompatible peer: its name is {len(hello.peer)} characters (at most {MAX_PEER_NAME})"
         return ""
-    ours = max(compat)
     versions = ", ".join(f"v{v}" for v in sorted(compat))
-    return (f"incompatible peer: its protocol v{hello.version} compat {hello.compat_hash}, "
-            f"this server v{ours} compat {compat[ours]} (admits {versions})")
+    if hello.version in compat:
+        why = f"its compat {hello.compat_hash[:64]} differs from this server's for v{hello.version}"
+    else:
+        why = f"its protocol v{hello.version} is not admitted"
+    return f"incompatible peer: {why} (this server admits {versions})"
+
+
+def admitted_versions(error: str) -> set[int]:
+    """The versions a server's handshake refusal says it admits (this version's wording and the
+    previous one's: "... (admits v2, v3)"), for a client that may fall back to an older one."""
+    m = re.search(r"admits ((?:v\d+(?:, )?)+)\)", error)
+    return {int(v) for v in re.findall(r"v(\d+)", m.group(1))} if m else set()
 
 
 def check_since(msg: Message, version: int) -> None:
@@ -195,16 +232,40 @@ def check_since(msg: Message, version: int) -> None:
             f"(the server speaks v{PROTOCOL_VERSION})"))
 
 
+MAX_RENEW = 4096              # transfer ids per Renew
+MAX_RENEW_BYTES = 512 << 10   # UTF-8 bytes of a Renew's ids and tokens: its reply then fits MAX_CONTROL_BYTES
+
+
+def renew_bytes(ids: list[str], tokens: list[str] | None) -> int:
+    return sum(len(t.encode()) for t in ids) + (sum(len(t.encode()) for t in tokens) if tokens else 0)
+
+
+def renew_batches(ids: list[str], tokens: list[str] | None, batch: int = MAX_RENEW):
+    """[start, end) ranges of `ids` that each fit one Renew (count and bytes)."""
+    start, size = 0, 0
+    for i, tid in enumerate(ids):
+        n = len(tid.encode()) + (len(tokens[i].encode()) if tokens else 0)
+        if i > start and (i - start >= batch or size + n > MAX_RENEW_BYTES):
+            yield start, i
+            start, size = i, 0
+        size += n
+    if start < len(ids):
+        yield start, len(ids)
+
+
 # Header checks both ends make of a transfer request (the server of a Read, the landing side of a Push).
 def check_transfer_id(transfer_id: str) -> None:
     if not transfer_id or len(transfer_id) > 512:
         raise TransferError(FailureCause.PROTOCOL, f"bad transfer_id {transfer_id[:64]!r}")
 
 
-def check_fingerprint(theirs: str, ours: str, *, peer: str, us: str) -> None:
-    """The KV layout the peer (`peer`: "consumer" / "producer") has must be ours (`us`)."""
+def check_fingerprint(theirs: str, ours: str, *, peer: str, us: str, reveal: bool = True) -> None:
+    """The KV layout the peer (`peer`: "consumer" / "producer") has must be ours (`us`). `reveal`
+    False (a peer that has not authenticated): the refusal does not name our layout."""
     if theirs != ours:
-        raise TransferError(FailureCause.LAYOUT_MISMATCH, f"{peer} KV layout {theirs} differs from this {us}'s {ours}")
+        mine = ours if reveal else "(not shown to an unauthenticated peer; see this side's log)"
+        raise TransferError(FailureCause.LAYOUT_MISMATCH,
+                            f"{peer} KV layout {theirs[:64]} differs from this {us}'s {mine}")
 
 
 def check_layers(layers: list[int], num_layers: int) -> None:
@@ -223,16 +284,27 @@ def failure_cause(name: str) -> FailureCause:
         return FailureCause.PROTOCOL
 
 
-def send_msg(sock: socket.socket, msg: Message) -> None:
+def encode(msg: Message, limit: int | None = None) -> bytes:
+    """The frame of `msg` (length prefix included). `limit`: refuse (typed protocol error) a frame
+    the peer would refuse to read, before anything is sent."""
     payload = _encoder.encode(msg)
-    sock.sendall(_LEN.pack(len(payload)) + payload)
+    if limit is not None and len(payload) > limit:
+        raise TransferError(FailureCause.PROTOCOL, (
+            f"{type(msg).__name__} of {len(payload)} bytes exceeds the control-frame limit of {limit}; "
+            "split the request"))
+    return _LEN.pack(len(payload)) + payload
+
+
+def send_msg(sock: socket.socket, msg: Message, limit: int | None = None) -> None:
+    sock.sendall(encode(msg, limit))
 
 
 def send_refusal(sock: socket.socket, exc: TransferError, read: bool = False) -> None:
     """Answer a request with its typed failure (a ReadReply for a Read, else an Ack), best effort:
-    a peer that is already gone needs no answer."""
-    reply = (ReadReply(ok=False, cause=exc.cause.value, message=exc.detail) if read
-             else Ack(ok=False, cause=exc.cause.value, message=exc.detail))
+    a peer that is already gone needs no answer. The message is cut to MAX_MESSAGE characters."""
+    detail = exc.detail if len(exc.detail) <= MAX_MESSAGE else exc.detail[:MAX_MESSAGE] + "..."
+    reply = (ReadReply(ok=False, cause=exc.cause.value, message=detail) if read
+             else Ack(ok=False, cause=exc.cause.value, message=detail))
     try:
         send_msg(sock, reply)
     except OSError:
@@ -285,4 +357,6 @@ def recv_msg(sock: socket.socket, deadline: float | None = None, max_bytes: int 
     try:
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise TransferError(FailureCause.PROTOCOL, f"malformed control frame: {exc}") from None
+        raise TransferError(FailureCause.PROTOCOL, f"malformed control frame: {str(exc)[:200]}") from None
+    except RecursionError:  # msgspec skips an unknown field's value recursively: deep nesting
+        raise TransferError(FailureCause.PROTOCOL, "malformed control frame: nested too deeply") from None

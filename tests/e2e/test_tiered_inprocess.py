@@ -272,6 +272,7 @@ def test_wrong_secret_is_refused_and_counted(tiny_model, prompts, colocated, tmp
     consumer holding another one is refused with a typed auth failure and the refusal counted."""
     secret = tmp_path / "secret"
     secret.write_text("correct horse battery staple 42")
+    secret.chmod(0o600)  # a world-readable secret file is refused
     with llm_engine(tiny_model, kv_transfer_config=tiered(secret_file=str(secret))) as llm:
         tickets = prefill(llm, prompts[:3])
         w = worker_connector().connector_worker

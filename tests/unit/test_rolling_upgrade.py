@@ -1,23 +1,25 @@
-"""Rolling upgrades: a store server admits peers of the previous wire version (v2) for one release,
-and a consumer accepts the previous ticket version (params v1); anything older is refused naming
-both versions.
+"""Rolling upgrades: a store server admits peers of the previous wire version (v3) for one release,
+a client speaks v3 to a server that admits only v3, and a consumer accepts the previous ticket
+version (params v2); anything older is refused naming both versions.
 
-The v2 peer here speaks the frozen v2 dialect, copied from wire.py as it was before v3 (commit
-8f4da06~1): its own structs, its own msgpack union and its own compat hash formula, so the test
-does not borrow today's encoding. No engine.
+The v3 peer here speaks the frozen v3 dialect, copied from wire.py as it was before v4 (commit
+f51b62c): its own structs, its own msgpack union, its own compat hash formula and its one-way
+HMAC challenge, so the test does not borrow today's encoding. No engine.
 
-Negative controls, seen to fail: with wire.ACCEPTED_VERSIONS = (PROTOCOL_VERSION,) the v2 read
-is refused at the handshake ("incompatible peer: its protocol v2 ..."); with
-params.ACCEPTED_PARAMS_VERSIONS = (PARAMS_VERSION,) the v1 ticket is refused (bad_params, field v);
-with wire.SINCE emptied a v2 peer's Locate is answered instead of refused. The `window` tests below
-keep the first two controls in the suite.
+Negative controls, seen to fail: with wire.ACCEPTED_VERSIONS = (PROTOCOL_VERSION,) the v3 read
+is refused at the handshake ("its protocol v3 is not admitted"); with
+params.ACCEPTED_PARAMS_VERSIONS = (PARAMS_VERSION,) the v2 ticket is refused (bad_params, field v);
+with StoreServer._check_token accepting any token, the v3 peer reads a granted entry. The `window`
+tests below keep the first two controls in the suite.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import socket
 import struct
+import time
 from typing import Union
 
 import msgspec
@@ -32,9 +34,10 @@ from kvconnectors.transport import wire
 
 SLOT, LAYERS, BLOCKS = 4096, 2, 5
 FP = "fp-upgrade"
+SECRET = b"upgrade-s3cret-s3cret"
 
 
-# ---------------------------------------------------------------- the frozen v2 dialect (8f4da06~1)
+# ---------------------------------------------------------------- the frozen v3 dialect (f51b62c)
 class Hello(msgspec.Struct, tag=True):
     version: int
     compat_hash: str
@@ -103,27 +106,47 @@ class StatusReply(msgspec.Struct, tag=True):
     pinned: int
     active_connections: int
     counters: dict[str, int]
+    rejected: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-V2Message = Union[Hello, Welcome, Proof, Read, ReadReply, Renew, RenewReply, Release, Ack, Status, StatusReply]
-_enc, _dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(V2Message)
+class Locate(msgspec.Struct, tag=True):
+    transfer_id: str
+
+
+class LocateReply(msgspec.Struct, tag=True):
+    found: bool
+    dram_slots: int = 0
+    nvme_slots: int = 0
+
+
+V3Message = Union[Hello, Welcome, Proof, Read, ReadReply, Renew, RenewReply, Release, Ack, Status, StatusReply,
+                  Locate, LocateReply]
+_enc, _dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(V3Message)
 
 
 def old_compat_hash(version: int, *parts: str) -> str:
-    """compat_hash as v1/v2 peers compute it (their PROTOCOL_VERSION baked in)."""
+    """compat_hash as v2/v3 peers compute it (their PROTOCOL_VERSION baked in)."""
     h = hashlib.sha256(f"kvconnectors-wire-v{version}".encode())
     for p in parts:
         h.update(b"\0" + p.encode())
     return h.hexdigest()[:16]
 
 
-class OldPeer:
-    """A peer of protocol `version` (1 or 2), speaking the v2 structs above."""
+def old_prove(secret: bytes, nonce: bytes) -> bytes:
+    """v3's one-way challenge answer."""
+    return hmac.new(secret, b"kvconnectors-auth-v1" + nonce, hashlib.sha256).digest()
 
-    def __init__(self, port: int, version: int = 2):
+
+class OldPeer:
+    """A peer of protocol `version` (2 or 3), speaking the v3 structs above."""
+
+    def __init__(self, port: int, version: int = 3, secret: bytes | None = None):
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.send(Hello(version=version, compat_hash=old_compat_hash(version, "tiered"), peer="old"))
         self.welcome = self.recv()
+        if secret is not None and self.welcome.ok and self.welcome.nonce is not None:
+            self.send(Proof(mac=old_prove(secret, self.welcome.nonce)))
+            self.auth = self.recv()
 
     def send(self, msg) -> None:
         payload = _enc.encode(msg)
@@ -168,56 +191,123 @@ def stage(store: TieredStore, tid: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- wire
-def test_a_v2_peer_reads_a_transfer_byte_exact_from_a_v3_server(server) -> None:
+def test_a_v3_peer_reads_a_transfer_byte_exact_from_a_v4_server(server) -> None:
     data = stage(server.store, "t1")
-    peer = OldPeer(server.port, version=2)
+    peer = OldPeer(server.port, version=3)
     try:
         assert peer.welcome == Welcome(ok=True), peer.welcome
         peer.send(Read(transfer_id="t1", layers=[0, 1], first_block=0, num_blocks=BLOCKS, fingerprint=FP))
         reply = peer.recv()
         assert isinstance(reply, ReadReply) and reply.ok, reply
         got = np.frombuffer(peer.recv_exact(reply.nbytes), dtype=np.uint8).reshape(LAYERS, BLOCKS, SLOT)
-        assert np.array_equal(got, data), "a v2 peer read different bytes"
+        assert np.array_equal(got, data), "a v3 peer read different bytes"
         assert reply.checksums == [xxhash.xxh3_64_intdigest(got[l, b]) for l in range(LAYERS) for b in range(BLOCKS)]
+        peer.send(Locate(transfer_id="t1"))
+        assert peer.recv() == LocateReply(found=True, dram_slots=LAYERS * BLOCKS)
         peer.send(Release(transfer_id="t1"))
         assert peer.recv() == Ack(ok=True)
-        peer.send(Status())  # v3's StatusReply has a field v2 lacks: a v2 peer decodes it anyway
+        peer.send(Status())  # v4's StatusReply has a field v3 lacks: a v3 peer decodes it anyway
         status = peer.recv()
         assert isinstance(status, StatusReply) and status.entries == 0, status
     finally:
         peer.close()
 
 
-def test_a_v2_peer_is_refused_what_v2_did_not_have_and_keeps_its_connection(server) -> None:
-    peer = OldPeer(server.port, version=2)
+def test_a_v3_peer_presents_no_token_so_a_granted_entry_is_unknown_to_it(server) -> None:
+    """A v3 peer cannot present a transfer token: an entry granted one answers it exactly as an
+    unknown id does, on every request, and stays in the store (no downgrade past the tokens)."""
+    stage(server.store, "granted")
+    server.grant("granted", kvparams.new_token())
+    peer = OldPeer(server.port, version=3)
     try:
-        assert peer.welcome.ok, peer.welcome
-        # a v3-only message on a v2 connection (encoded with today's structs: v2 had none)
-        payload = msgspec.msgpack.encode(wire.Locate(transfer_id="t"))
-        peer.sock.sendall(struct.pack("!I", len(payload)) + payload)
-        refusal = peer.recv()
-        assert isinstance(refusal, Ack) and not refusal.ok and refusal.cause == FailureCause.PROTOCOL.value, refusal
-        assert "Locate needs protocol v3" in refusal.message and "speaks v2" in refusal.message, refusal.message
-        peer.send(Status())  # answered in step: the connection still serves
-        assert isinstance(peer.recv(), StatusReply)
+        for tid in ("granted", "never-staged"):
+            peer.send(Read(transfer_id=tid, layers=[0, 1], first_block=0, num_blocks=BLOCKS, fingerprint=FP))
+            reply = peer.recv()
+            assert isinstance(reply, ReadReply) and not reply.ok and reply.cause == "unknown_transfer", reply
+            assert reply.message == f"transfer {tid!r} is not in this store"
+            peer.send(Renew(transfer_ids=[tid]))
+            assert peer.recv() == RenewReply(remaining={}, missing={tid: "unknown_transfer"})
+            peer.send(Locate(transfer_id=tid))
+            assert peer.recv() == LocateReply(found=False)
+            peer.send(Release(transfer_id=tid))
+            assert peer.recv() == Ack(ok=False, cause="unknown_transfer", message=f"transfer {tid!r} is not in this store")
     finally:
         peer.close()
+    assert server.store.contains("granted")
 
 
-def test_a_v1_peer_is_refused_naming_both_versions(server) -> None:
-    peer = OldPeer(server.port, version=1)
+def test_a_v3_peer_with_the_secret_passes_the_one_way_challenge() -> None:
+    from kvconnectors.transport.server import StoreServer
+
+    store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=16 * SLOT))
+    srv = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=wire.compat_hashes("tiered"),
+                      secret=SECRET)
+    try:
+        good = OldPeer(srv.port, version=3, secret=SECRET)
+        assert good.welcome.ok and good.welcome.nonce and good.auth == Ack(ok=True), (good.welcome, good.auth)
+        good.send(Status())
+        assert isinstance(good.recv(), StatusReply)
+        good.close()
+        bad = OldPeer(srv.port, version=3, secret=b"another-secret-another")
+        assert bad.auth.ok is False and bad.auth.cause == "auth", bad.auth
+        bad.close()
+        assert srv.counters.auth_failures == 1
+    finally:
+        srv.close()
+        store.close()
+
+
+def test_a_v4_client_speaks_v3_to_a_server_that_admits_only_v3() -> None:
+    """The client side of the window: an instance not upgraded yet is spoken to in its version
+    (its refusal names the versions it admits); without the previous version's hash the client
+    does not fall back."""
+    from kvconnectors.transport.client import StoreClient
+    from kvconnectors.transport.server import StoreServer
+
+    store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=16 * SLOT))
+    srv = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS,
+                      compat={3: wire.compat_hash("tiered", version=3)}, secret=SECRET)
+    try:
+        with StoreClient("127.0.0.1", srv.port, compat=wire.compat_hashes("tiered"), secret=SECRET) as c:
+            assert c.version == 3 and c.session.authenticated and not c.session.mutual
+            assert c.status(time.monotonic() + 5).entries == 0
+        with pytest.raises(TransferError, match="admits v3"):
+            StoreClient("127.0.0.1", srv.port, compat=wire.compat_hash("tiered"), secret=SECRET)
+    finally:
+        srv.close()
+        store.close()
+
+
+def test_the_previous_versions_refusal_wording_is_understood() -> None:
+    """What a v3 server answers a v4 Hello (f51b62c's check_hello), read for the fallback."""
+    old = "incompatible peer: its protocol v4 compat ed730ab0dac12ff9, this server v3 compat d3dfed9708bc2a9b " \
+          "(admits v2, v3)"
+    assert wire.admitted_versions(old) == {2, 3}
+    assert wire.admitted_versions(wire.check_hello(wire.Hello(version=9, compat_hash="x"),
+                                                   wire.compat_hashes("tiered"))) == {3, 4}
+
+
+def test_a_v2_peer_is_refused_naming_the_versions_admitted(server) -> None:
+    peer = OldPeer(server.port, version=2)
     try:
         assert not peer.welcome.ok
-        assert "its protocol v1" in peer.welcome.error and f"this server v{wire.PROTOCOL_VERSION}" in peer.welcome.error
-        assert "admits v2, v3" in peer.welcome.error, peer.welcome.error
+        assert "its protocol v2 is not admitted" in peer.welcome.error, peer.welcome.error
+        assert "admits v3, v4" in peer.welcome.error, peer.welcome.error
+        assert wire.compat_hash("tiered") not in peer.welcome.error  # nothing about this server's build
     finally:
         peer.close()
     assert server.counters.rejected.get("protocol") == 1
 
 
+def test_a_message_younger_than_a_peers_version_is_refused_naming_both() -> None:
+    with pytest.raises(TransferError, match="Locate needs protocol v3; this connection speaks v2"):
+        wire.check_since(wire.Locate(transfer_id="t"), 2)
+    wire.check_since(wire.Locate(transfer_id="t"), wire.PREVIOUS_VERSION)  # every accepted version has it
+
+
 @pytest.mark.parametrize("window", [True, False])
-def test_the_v2_window_is_what_admits_a_v2_peer(monkeypatch, window) -> None:
-    """Control: without the compatibility window (only the current version accepted) the same v2
+def test_the_v3_window_is_what_admits_a_v3_peer(monkeypatch, window) -> None:
+    """Control: without the compatibility window (only the current version accepted) the same v3
     peer is refused at the handshake."""
     from kvconnectors.transport.server import StoreServer
 
@@ -226,11 +316,29 @@ def test_the_v2_window_is_what_admits_a_v2_peer(monkeypatch, window) -> None:
     store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=16 * SLOT))
     srv = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=wire.compat_hashes("tiered"))
     try:
-        peer = OldPeer(srv.port, version=2)
+        peer = OldPeer(srv.port, version=3)
         peer.close()
         assert peer.welcome.ok is window, peer.welcome
         if not window:
-            assert "its protocol v2" in peer.welcome.error
+            assert "its protocol v3 is not admitted" in peer.welcome.error
+    finally:
+        srv.close()
+        store.close()
+
+
+def test_allow_previous_wire_false_refuses_a_v3_peer() -> None:
+    """The setting that closes the window once a pool is upgraded."""
+    from kvconnectors.tiered.config import TieredConfig
+    from kvconnectors.transport.server import StoreServer
+
+    assert TieredConfig.from_extra({}).compat == wire.compat_hashes("tiered")
+    compat = TieredConfig.from_extra({"allow_previous_wire": False}).compat
+    store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=16 * SLOT))
+    srv = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=compat)
+    try:
+        peer = OldPeer(srv.port, version=3)
+        peer.close()
+        assert not peer.welcome.ok and "admits v4)" in peer.welcome.error, peer.welcome
     finally:
         srv.close()
         store.close()
@@ -238,7 +346,7 @@ def test_the_v2_window_is_what_admits_a_v2_peer(monkeypatch, window) -> None:
 
 def test_the_compat_hash_of_each_version_is_the_one_its_peers_compute() -> None:
     assert wire.compat_hash("tiered") == old_compat_hash(wire.PROTOCOL_VERSION, "tiered")
-    assert wire.compat_hashes("tiered") == {2: old_compat_hash(2, "tiered"), 3: old_compat_hash(3, "tiered")}
+    assert wire.compat_hashes("tiered") == {3: old_compat_hash(3, "tiered"), 4: old_compat_hash(4, "tiered")}
 
 
 # ---------------------------------------------------------------- ticket
@@ -250,26 +358,35 @@ def _ticket(v: int, **extra) -> dict:
     return {kvparams.KEY: raw, "do_remote_prefill": True}
 
 
-def test_a_v1_ticket_is_parsed_with_defaults_for_what_v1_lacked() -> None:
-    p = kvparams.parse(_ticket(1), list(range(20)), 16)
-    assert p.v == 1 and p.push_target == "" and p.transfer_id == "e:r1"
+def test_a_v2_ticket_is_parsed_with_defaults_for_what_v2_lacked() -> None:
+    p = kvparams.parse(_ticket(2, push_target="127.0.0.1:7000"), list(range(20)), 16)
+    assert p.v == 2 and p.token == "" and p.push_target == "127.0.0.1:7000" and p.transfer_id == "e:r1"
 
 
-@pytest.mark.parametrize("v", [0, kvparams.PARAMS_VERSION + 1])
+def test_a_v3_ticket_needs_its_token() -> None:
+    token = kvparams.new_token()
+    assert kvparams.parse(_ticket(3, token=token), list(range(20)), 16).token == token
+    for bad in ("", "short", "x" * 21, "=" * 32, "t" * 129):
+        with pytest.raises(TransferError, match=r"kvc\.token") as exc:
+            kvparams.parse(_ticket(3, token=bad), list(range(20)), 16)
+        assert bad not in str(exc.value) or not bad, "a token is never echoed"
+
+
+@pytest.mark.parametrize("v", [1, kvparams.PARAMS_VERSION + 1])
 def test_tickets_outside_the_window_are_refused_naming_the_versions(v) -> None:
     with pytest.raises(TransferError) as exc:
         kvparams.parse(_ticket(v), list(range(20)), 16)
     assert exc.value.cause is FailureCause.BAD_PARAMS
-    assert f"kvc.v={v}" in str(exc.value) and "accepts versions 1 and 2" in str(exc.value), exc.value
+    assert f"kvc.v={v}" in str(exc.value) and "accepts versions 2 and 3" in str(exc.value), exc.value
 
 
-def test_a_v1_ticket_cannot_carry_a_v2_field() -> None:
-    with pytest.raises(TransferError, match="push_target.*added in version 2"):
-        kvparams.parse(_ticket(1, push_target="127.0.0.1:7000"), list(range(20)), 16)
+def test_a_v2_ticket_cannot_carry_a_v3_field() -> None:
+    with pytest.raises(TransferError, match="token.*added in version 3"):
+        kvparams.parse(_ticket(2, token=kvparams.new_token()), list(range(20)), 16)
 
 
-def test_without_the_window_a_v1_ticket_is_refused(monkeypatch) -> None:
-    """Control: the window, not a lenient parser, is what admits v1 tickets."""
+def test_without_the_window_a_v2_ticket_is_refused(monkeypatch) -> None:
+    """Control: the window, not a lenient parser, is what admits v2 tickets."""
     monkeypatch.setattr(kvparams, "ACCEPTED_PARAMS_VERSIONS", (kvparams.PARAMS_VERSION,))
-    with pytest.raises(TransferError, match=r"kvc\.v=1"):
-        kvparams.parse(_ticket(1), list(range(20)), 16)
+    with pytest.raises(TransferError, match=r"kvc\.v=2"):
+        kvparams.parse(_ticket(2), list(range(20)), 16)

@@ -68,6 +68,7 @@ def metrics(tmp_path):
     the secret comes from kv_connector_extra_config.secret_file, as the workers read it."""
     secret_file = tmp_path / "secret"
     secret_file.write_bytes(SECRET)
+    secret_file.chmod(0o600)  # a world-readable secret file is refused
     registry = CollectorRegistry()
     types = {cls: partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
     vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
