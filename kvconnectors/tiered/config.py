@@ -9,6 +9,7 @@ closest known key, because a typo silently ignored is a setting silently lost.
 from __future__ import annotations
 
 import ipaddress
+import os
 import typing
 from typing import Annotated, Any, Literal
 
@@ -17,9 +18,12 @@ from msgspec import Meta
 
 from kvconnectors import settings
 from kvconnectors.errors import ConfigError
+from kvconnectors.logs import get_logger
 from kvconnectors.store.config import Dirs, Seconds, Size
 from kvconnectors.store.sizes import size_setting
 
+logger = get_logger(__name__)
+WILDCARDS = ("0.0.0.0", "::")
 Transport = Literal["tcp", "shm", "nixl"]
 TransferMode = Literal["pull", "push"]
 FailurePolicy = Literal["fail", "recompute", "retry"]
@@ -55,7 +59,15 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
     load_timeout_s: Annotated[Seconds, _doc("deadline of one request's pull")] = 30.0
     connect_timeout_s: Annotated[Seconds, _doc("deadline to connect and authenticate to a producer")] = 5.0
     checksum: Annotated[bool, _doc("xxh3 per block at staging, verified on receipt")] = True
-    secret_file: Annotated[str | None, _doc("file holding the shared secret")] = None
+    secret_file: Annotated[str | None, _doc("file holding the shared secret (owner-readable only)")] = None
+    allowed_peers: Annotated[list[str] | None, _doc(
+        "CIDRs a ticket's producer addresses and a push_target must fall in; default: loopback and this "
+        "host's own interface subnets")] = None
+    allow_insecure: Annotated[bool, _doc("permit a wildcard bind_host without a shared secret")] = False
+    allow_previous_wire: Annotated[bool, _doc(
+        "admit peers of the previous wire version (rolling upgrades: one-way auth, no transfer tokens); "
+        "set false once the whole pool is upgraded")] = True
+    server_idle_timeout_s: Annotated[Seconds, _doc("store server: close a connection idle this long")] = 300.0
     max_concurrent_loads: Annotated[int, _doc("pull threads per worker", ge=1)] = 4
     instance_name: Annotated[str, _doc("prefix of store files")] = "kvc"
     failure_policy: Annotated[FailurePolicy | None,
@@ -72,13 +84,18 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         settings.check_fields(self)  # types and ranges as declared above
         _host("bind_host", self.bind_host)
         if self.advertise_host is None:
-            if self.bind_host in ("0.0.0.0", "::"):
+            if self.bind_host in WILDCARDS:
                 raise ConfigError("advertise_host", None, (
                     f"must be set when bind_host is the wildcard {self.bind_host!r}: consumers need an address "
                     "they can reach"))
             self.advertise_host = self.bind_host
         else:
             _host("advertise_host", self.advertise_host)
+        if self.allowed_peers is not None:
+            from kvconnectors.transport.peers import parse_networks
+
+            parse_networks(self.allowed_peers)
+        self._check_exposure()
         if self.heartbeat_interval_s is None:
             self.heartbeat_interval_s = self.lease_ttl_s / 3
         if self.heartbeat_interval_s >= self.lease_ttl_s:
@@ -92,6 +109,29 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         from kvconnectors.transport.faults import FaultPlan
 
         self.fault_plan = FaultPlan.from_config(self.fault_injection)
+
+    def _check_exposure(self) -> None:
+        """A store server on every interface without a shared secret serves any host that can reach
+        it: refused unless allow_insecure says that is meant (the secret may come from the env)."""
+        from kvconnectors.transport.auth import SECRET_ENV
+
+        if self.bind_host not in WILDCARDS or self.secret_file or os.environ.get(SECRET_ENV):
+            return
+        if not self.allow_insecure:
+            raise ConfigError("bind_host", self.bind_host, (
+                f"binds every interface but no shared secret is set (secret_file or {SECRET_ENV}): any host "
+                "that reaches this port could read and release staged KV. Set a secret, bind one address, or "
+                "set allow_insecure: true if the network itself is trusted"))
+        logger.warning("TieredConnector: bind_host %r without a shared secret (allow_insecure is set): the store "
+                       "server serves any host that can reach it", self.bind_host)
+
+    @property
+    def compat(self) -> str | dict[int, str]:
+        """What this instance's store clients present and its store servers admit: the previous
+        wire version too while allow_previous_wire is on."""
+        from kvconnectors.transport import wire
+
+        return wire.compat_hashes("tiered") if self.allow_previous_wire else wire.compat_hash("tiered")
 
     def check_engine_policy(self, engine_policy: str) -> None:
         """vLLM applies fail/recompute engine-wide (`kv_load_failure_policy`); ours must agree."""

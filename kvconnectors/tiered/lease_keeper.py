@@ -33,10 +33,10 @@ class LeaseKeeper:
                  rpc_timeout_s: float = 5.0):
         self.interval_s, self.rpc_timeout_s = interval_s, rpc_timeout_s
         self._client = client_factory
-        # req_id -> (stores that hold the entry, transfer id, stores that may no longer hold it)
-        self._tracked: dict[str, tuple[list[Addr], str, list[Addr]]] = {}
+        # req_id -> (stores that hold the entry, transfer id, stores that may no longer hold it, its token)
+        self._tracked: dict[str, tuple[list[Addr], str, list[Addr], str]] = {}
         self._beat_soon = False
-        self._to_release: list[tuple[Addr, str]] = []
+        self._to_release: list[tuple[Addr, str, str]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -46,12 +46,14 @@ class LeaseKeeper:
         self._thread = threading.Thread(target=self._run, name="kvc-lease-keeper", daemon=True)
         self._thread.start()
 
-    def track(self, req_id: str, addrs: list[Addr], transfer_id: str, maybe_addrs: Sequence[Addr] = ()) -> None:
+    def track(self, req_id: str, addrs: list[Addr], transfer_id: str, maybe_addrs: Sequence[Addr] = (),
+              token: str = "") -> None:
         """Renew `transfer_id` at every store in `addrs` (a pulled request: the producer's ranks)
         and in `maybe_addrs` (a pushed request: this consumer's landing stores and the producer's
-        ranks) until untracked; a "no longer held" answer counts as lost only from `addrs`."""
+        ranks) until untracked; a "no longer held" answer counts as lost only from `addrs`.
+        `token`: the transfer's token from its ticket, presented with every renewal and release."""
         with self._lock:
-            self._tracked[req_id] = (list(addrs), transfer_id, [a for a in maybe_addrs if a not in addrs])
+            self._tracked[req_id] = (list(addrs), transfer_id, [a for a in maybe_addrs if a not in addrs], token)
             self._beat_soon = True
         self._wake.set()  # the ticket's TTL may already be short: beat now, not in a full interval
 
@@ -59,10 +61,10 @@ class LeaseKeeper:
         with self._lock:
             self._tracked.pop(req_id, None)
 
-    def release(self, req_id: str, addrs: list[Addr], transfer_id: str) -> None:
+    def release(self, req_id: str, addrs: list[Addr], transfer_id: str, token: str = "") -> None:
         with self._lock:
             self._tracked.pop(req_id, None)
-            self._to_release.extend((addr, transfer_id) for addr in addrs)
+            self._to_release.extend((addr, transfer_id, token) for addr in addrs)
         self._wake.set()
 
     @property
@@ -96,10 +98,10 @@ class LeaseKeeper:
     def _flush_releases(self) -> None:
         with self._lock:
             batch, self._to_release = self._to_release, []
-        for addr, tid in batch:
+        for addr, tid, token in batch:
             try:
                 with self._client(addr) as c:
-                    c.release(tid, time.monotonic() + self.rpc_timeout_s)
+                    c.release(tid, time.monotonic() + self.rpc_timeout_s, token=token)
                 self.releases += 1
             except (TransferError, OSError) as exc:
                 logger.warning("could not release transfer %s at %s:%s (it will expire): %s", tid, *addr, exc)
@@ -107,7 +109,9 @@ class LeaseKeeper:
     def _beat(self) -> None:
         with self._lock:
             by_peer: dict[Addr, dict[str, bool]] = defaultdict(dict)  # addr -> {tid: must be held}
-            for addrs, tid, maybe in self._tracked.values():
+            tokens: dict[str, str] = {}
+            for addrs, tid, maybe, token in self._tracked.values():
+                tokens[tid] = token
                 for addr in maybe:
                     by_peer[addr].setdefault(tid, False)
                 for addr in addrs:
@@ -115,7 +119,8 @@ class LeaseKeeper:
         for addr, tids in by_peer.items():
             try:
                 with self._client(addr) as c:
-                    reply = c.renew(list(tids), time.monotonic() + self.rpc_timeout_s)
+                    reply = c.renew(list(tids), time.monotonic() + self.rpc_timeout_s,
+                                    tokens=[tokens[t] for t in tids])
             except (TransferError, OSError) as exc:
                 logger.warning("lease heartbeat to producer %s:%s failed: %s", *addr, exc)
                 continue

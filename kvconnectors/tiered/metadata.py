@@ -24,6 +24,7 @@ class SaveSpec:
     seal: bool                # this step completes the prompt: seal after the copies
     push_target: str = ""     # push mode: landing store "host:port" of rank 0 (rank r: port + r)
     layerwise: bool = True    # push: send each layer group as it is staged (else all after the last)
+    token: str = ""           # the ticket's token: the store server grants it to the transfer at its first stage
 
 
 @dataclass

@@ -21,9 +21,10 @@ from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.lease_keeper import LeaseKeeper
 from kvconnectors.tiered.metadata import (RecvSpec, SaveSpec, TieredConnectorMetadata,
                                           TieredHandshakeMetadata)
-from kvconnectors.transport import tamper, wire
+from kvconnectors.transport import tamper
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
+from kvconnectors.transport.peers import PeerPolicy
 from kvconnectors.transport.push import parse_target
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ class _Producing:
     staged_blocks: int = 0       # blocks already handed to the worker in earlier steps
     sealed: bool = False         # the step that completes the prompt has been scheduled
     push_target: str = ""        # push mode: the consumer's landing store (rank 0), "host:port"
+    token: str = field(default_factory=kvparams.new_token)  # the transfer's capability, in its ticket
 
 
 class TieredConnectorScheduler:
@@ -55,18 +57,23 @@ class TieredConnectorScheduler:
         self._producing: dict[str, _Producing] = {}
         self._recvs: list[RecvSpec] = []
         self._drops: list[str] = []
-        self._waiting_remote: dict[str, tuple[list[tuple[str, int]], str]] = {}  # req -> (producer ranks, tid)
+        # req -> (producer ranks, tid, token)
+        self._waiting_remote: dict[str, tuple[list[tuple[str, int]], str, str]] = {}
         self._warned_push = False
         self._pushed: set[str] = set()  # consumer requests whose KV is pushed into our landing store
         self._locator: StoreClient | None = None  # to our own landing store, for hit sources
         self._secret = load_secret(config.secret_file)
-        self._compat = wire.compat_hash("tiered")
+        self._compat = config.compat
+        self._peers = PeerPolicy.from_setting(config.allowed_peers, (config.bind_host, config.advertise_host))
         self._keeper: LeaseKeeper | None = None
         if vllm_config.kv_transfer_config.is_kv_consumer:
             self._keeper = LeaseKeeper(config.heartbeat_interval_s, self._client, config.connect_timeout_s)
 
     def _client(self, addr: tuple[str, int]) -> StoreClient:
-        return StoreClient(addr[0], addr[1], compat=self._compat, secret=self._secret,
+        """A store client to a ticket's producer (lease renewals and releases) or to this instance's
+        own landing store; the address must be in allowed_peers (it came from an HTTP client)."""
+        host = self._peers.check(addr[0], addr[1], "kv_transfer_params.kvc.addrs")
+        return StoreClient(host, addr[1], compat=self._compat, secret=self._secret,
                            connect_timeout_s=self.config.connect_timeout_s)
 
     # ------------------------------------------------------------------ start-up
@@ -91,7 +98,7 @@ class TieredConnectorScheduler:
         except TransferError:
             return  # reported when the load is attempted
         addrs = [(a.host, a.port) for a in tp.addrs]  # every tensor-parallel rank holds a shard
-        self._waiting_remote[request.request_id] = (addrs, tp.transfer_id)
+        self._waiting_remote[request.request_id] = (addrs, tp.transfer_id, tp.token)
         if tp.push_target and self.config.transfer_mode == "push":
             # Pushed here: the copy that matters is in our own landing stores, under their own lease,
             # which must outlive the request's time in our queue. The producer's staged copy is
@@ -100,9 +107,9 @@ class TieredConnectorScheduler:
             # landed the producer has let its copy go), so neither counts as a lost lease.
             self._pushed.add(request.request_id)
             own = [(a.host, a.port) for a in self._addrs]
-            self._keeper.track(request.request_id, [], tp.transfer_id, maybe_addrs=own + addrs)
+            self._keeper.track(request.request_id, [], tp.transfer_id, maybe_addrs=own + addrs, token=tp.token)
             return
-        self._keeper.track(request.request_id, addrs, tp.transfer_id)
+        self._keeper.track(request.request_id, addrs, tp.transfer_id, token=tp.token)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         p = request.kv_transfer_params
@@ -169,7 +176,9 @@ class TieredConnectorScheduler:
         try:
             if mode != "push":
                 raise ValueError(f"transfer_mode={mode!r}: must be pull or push")
-            parse_target(target)
+            host, _ = parse_target(target)
+            if _is_ip(host) and not self._peers.allows_ip(host):  # names: the worker resolves and checks
+                raise ValueError(f"push_target={target!r} is not in allowed_peers (TieredConnector setting)")
         except ValueError as exc:
             if not self._warned_push:
                 self._warned_push = True
@@ -219,7 +228,7 @@ class TieredConnectorScheduler:
                                    block_ids=st.block_ids[first_block:end_block], first_block=first_block,
                                    total_blocks=total, seal=final,
                                    push_target=st.push_target,
-                                   layerwise=st.prompt_len >= self.config.layerwise_min_tokens))
+                                   layerwise=st.prompt_len >= self.config.layerwise_min_tokens, token=st.token))
         st.staged_blocks = end_block
         st.sealed = final
 
@@ -231,11 +240,12 @@ class TieredConnectorScheduler:
 
         if request.request_id not in self._pushed or not self._addrs:
             return {CacheHitSource.P2P: num_tokens}
-        tid = request.kv_transfer_params[kvparams.KEY]["transfer_id"]
+        ticket = request.kv_transfer_params[kvparams.KEY]
+        tid, token = ticket["transfer_id"], ticket.get("token", "")
         try:
             if self._locator is None:
                 self._locator = self._client((self._addrs[0].host, self._addrs[0].port))
-            where = self._locator.locate(tid, time.monotonic() + self.config.connect_timeout_s)
+            where = self._locator.locate(tid, time.monotonic() + self.config.connect_timeout_s, token=token)
         except (TransferError, OSError) as exc:  # metrics only: never fail the scheduler step
             logger.debug("could not locate %s in the landing store: %s", tid, exc)
             if self._locator is not None:
@@ -271,7 +281,7 @@ class TieredConnectorScheduler:
                 fingerprint=self._fingerprint, prompt_hash=kvparams.prompt_hash(prompt),
                 lease_ttl_s=self.config.lease_ttl_s,  # renewed when the entry was sealed, just now
                 issued_at=time.time(), transport=self.config.transport, shm_path=self._shm_path,
-                push_target=st.push_target)
+                push_target=st.push_target, token=st.token)
             # False: the engine's blocks are free now; the staged copy serves the consumer.
             return False, kvparams.producer_params(ticket, self.engine_id)
         waiting = self._waiting_remote.pop(req_id, None)
@@ -295,3 +305,13 @@ class TieredConnectorScheduler:
             self._locator.close()
         if self._keeper is not None:
             self._keeper.close()
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False

@@ -40,6 +40,7 @@ from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.landing import Landing
+from kvconnectors.transport.peers import PeerPolicy
 from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, TCP_PUSH, NixlPull, NixlPush, PullPath
 from kvconnectors.transport.push import PushJob, PushSender, parse_target
 from kvconnectors.transport.server import StoreServer
@@ -76,7 +77,9 @@ class TieredConnectorWorker:
         if config.test_hooks:  # say it loudly: any client of this instance can ask for corrupted KV
             logger.warning("TieredConnector test_hooks is on: requests may ask for their KV to be corrupted "
                            "(kv_transfer_params kvc_fault); for tests only, never in production")
-        self._compat = wire.compat_hash("tiered")
+        self._compat = config.compat  # the previous wire version too, while allow_previous_wire
+        # Tickets and push targets come from HTTP clients: connect only to allowed_peers.
+        self._peers = PeerPolicy.from_setting(config.allowed_peers, (config.bind_host, config.advertise_host))
         self.layout: KVLayout | None = None
         self.geometry: BlockGeometry | None = None
         self.ops: DeviceOps | None = None
@@ -146,12 +149,15 @@ class TieredConnectorWorker:
                 tag=f"landing-{self.engine_id}"))] if cfg.transport == "nixl" else [])
             self.landing = Landing(self.store, fingerprint=self.layout.fingerprint,
                                    num_layers=self.layout.num_layers, paths=push_paths, test_hooks=cfg.test_hooks)
-        # peers of the previous wire version too: pools are upgraded one at a time
+        # peers of the previous wire version too (allow_previous_wire): pools are upgraded one at a time.
+        # A producer-only server knows every transfer by its token (granted when its staging starts);
+        # a landing store also holds pushed entries, which are granted no token here.
         self.server = StoreServer(self.store, cfg.bind_host, port, fingerprint=self.layout.fingerprint,
-                                  num_layers=self.layout.num_layers, compat=wire.compat_hashes("tiered"),
-                                  secret=self._secret,
+                                  num_layers=self.layout.num_layers, compat=self._compat,
+                                  secret=self._secret, idle_timeout_s=cfg.server_idle_timeout_s,
                                   staging_failure=self._staging_failed.get, faults=cfg.fault_plan,
-                                  nixl=cfg.transport == "nixl" and self.is_producer, landing=self.landing)
+                                  nixl=cfg.transport == "nixl" and self.is_producer, landing=self.landing,
+                                  require_grants=self.is_producer and not landing)
         if self.is_producer:
             self.pusher = PushSender(self.store, fingerprint=self.layout.fingerprint,
                                      num_layers=self.layout.num_layers, client_factory=self._client,
@@ -204,10 +210,12 @@ class TieredConnectorWorker:
             return
         try:
             if tid not in self._checksums:
+                if self.server is not None:  # before the entry exists: it answers only to its ticket's token
+                    self.server.grant(tid, spec.token)
                 self.store.create(tid, self.layout.num_layers, spec.total_blocks)
                 self._checksums[tid] = np.zeros((self.layout.num_layers, spec.total_blocks), np.uint64)
                 if spec.push_target:
-                    self._push_targets[tid] = self._rank_target(spec.push_target)
+                    self._set_push_target(tid, spec.push_target)
             # one batched gather per layer, straight into the entry's slots, then checksums
             copy = self.stager.stage(tid, layers, spec.first_block, spec.block_ids, after)
             sums = self.stager.complete(copy, self.config.load_timeout_s)
@@ -236,8 +244,20 @@ class TieredConnectorWorker:
             self._push_group(spec)
 
     def _rank_target(self, target: str) -> tuple[str, int]:
+        """This rank's landing store for a request's push_target: (checked IP address, port + rank).
+        A target outside allowed_peers is a typed BAD_PARAMS error naming the field and value."""
         host, port = parse_target(target)
-        return host, port + self.layout.tp_rank  # rank r of the consumer listens on port + r
+        port += self.layout.tp_rank  # rank r of the consumer listens on port + r
+        return self._peers.check(host, port, "kv_transfer_params.push_target"), port
+
+    def _set_push_target(self, tid: str, target: str) -> None:
+        """Push `tid` to `target`, unless it is not allowed: then it is staged for a pull only."""
+        try:
+            self._push_targets[tid] = self._rank_target(target)
+        except (TransferError, ValueError) as exc:
+            cause = exc.cause.value if isinstance(exc, TransferError) else FailureCause.BAD_PARAMS.value
+            logger.warning("not pushing transfer %s: %s; it is staged for a pull", tid, exc)
+            self._record("record_failure", f"push_{cause}")
 
     def _push_group(self, spec: SaveSpec, end: bool = False) -> None:
         """Hand the staged, not yet pushed layers of `spec` to the push sender; `end`: the
@@ -354,6 +374,8 @@ class TieredConnectorWorker:
 
     def drop(self, transfer_ids: list[str]) -> None:
         for tid in transfer_ids:
+            if self.server is not None:
+                self.server.revoke(tid)
             self._checksums.pop(tid, None)
             self._push_layers.pop(tid, None)
             target = self._push_targets.pop(tid, None)
@@ -379,7 +401,13 @@ class TieredConnectorWorker:
 
     def _client(self, host: str, port: int) -> StoreClient:
         return StoreClient(host, port, compat=self._compat, secret=self._secret,
-                           connect_timeout_s=self.config.connect_timeout_s, peer_name=self.engine_id)
+                           connect_timeout_s=self.config.connect_timeout_s, peer_name=self.engine_id[:wire.MAX_PEER_NAME])
+
+    def _producer_client(self, p: TransferParams, rank: int) -> StoreClient:
+        """A client to the ticket's producer `rank`, whose address must be in allowed_peers."""
+        addr = p.addrs[rank]
+        return self._client(self._peers.check(addr.host, addr.port, f"kv_transfer_params.kvc.addrs[{rank}]"),
+                            addr.port)
 
     def _pull(self, spec: RecvSpec) -> None:
         start = time.monotonic()
@@ -402,9 +430,8 @@ class TieredConnectorWorker:
             return
         try:
             p = msgspec.convert(spec.params, TransferParams)
-            addr = p.addrs[min(self.layout.tp_rank, len(p.addrs) - 1)]
-            with self._client(addr.host, addr.port) as client:
-                client.release(p.transfer_id, time.monotonic() + self.config.connect_timeout_s)
+            with self._producer_client(p, min(self.layout.tp_rank, len(p.addrs) - 1)) as client:
+                client.release(p.transfer_id, time.monotonic() + self.config.connect_timeout_s, token=p.token)
         except (TransferError, OSError, msgspec.ValidationError) as release_exc:
             logger.warning("could not release transfer for %s after its failure (it will expire): %s",
                            spec.req_id, release_exc)
@@ -470,14 +497,13 @@ class TieredConnectorWorker:
         staged = None if dest is not None else self.loader.landing_buffer(layout.num_layers * len(targets))
         if staged is not None:
             dest = [memoryview(row) for row in staged]
-        addr = p.addrs[layout.tp_rank]
         path = self._pull_path(spec, p, direct=staged is None)
         dest_addrs = self.loader.direct_addrs(layers, targets) if isinstance(path, NixlPull) else None
-        with self._client(addr.host, addr.port) as client:
+        with self._producer_client(p, layout.tp_rank) as client:
             nbytes = client.read(p.transfer_id, layers, spec.first_block, dest,
                                  fingerprint=layout.fingerprint, deadline=deadline,
                                  verify=self.config.checksum and fault != "corrupt",
-                                 path=path, dest_addrs=dest_addrs)
+                                 path=path, dest_addrs=dest_addrs, token=p.token)
             if fault == "corrupt":  # test hook: silently, where the data path delivered the bytes
                 tamper.corrupt(dest)
             if staged is not None:  # reported done only once the copy into the blocks is
@@ -486,7 +512,7 @@ class TieredConnectorWorker:
                 # The KV has landed and been verified: a slow or failed release must not fail the
                 # load (the lease ends the entry anyway), so give it its own short deadline.
                 try:
-                    client.release(p.transfer_id, time.monotonic() + self.config.connect_timeout_s)
+                    client.release(p.transfer_id, time.monotonic() + self.config.connect_timeout_s, token=p.token)
                 except TransferError as exc:
                     logger.warning("release of %s failed after a good pull (it will expire): %s",
                                    p.transfer_id, exc)
