@@ -103,6 +103,8 @@ STATUS_GAUGES: tuple[Metric, ...] = tuple(
         ("nvme_bytes", "nvme_used_bytes", "bytes held in the NVMe tier"),
         ("pinned", "pinned", "entries pinned by a read in progress"),
         ("connections", "active_connections", "open connections to the store server (pulls, pushes, renewals)"),
+        ("auth_failures", "auth_failures", "handshakes that failed the shared-secret proof since the server started "
+         "(a count, growing; logged at most once per 10 s)"),
     ))
 
 # Not a field: whether every rank answered this scrape's status call.
