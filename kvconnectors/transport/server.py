@@ -56,7 +56,7 @@ from kvconnectors.transport.paths import (PULL_UNOFFERED, SHM_PULL, TCP_PULL, Ni
 logger = get_logger(__name__)
 MAX_RENEW = wire.MAX_RENEW  # transfer ids per Renew message
 HANDSHAKE_TIMEOUT_S = 2.0   # accept to authenticated, every step together
-MAX_GRANTS = 1 << 16        # remembered transfer tokens (ended transfers are forgotten first)
+MAX_GRANTS = 1 << 16        # remembered transfer tokens beyond which those of ended transfers are forgotten
 
 
 @dataclass
@@ -237,14 +237,19 @@ class StoreServer:
             return len(self._grants)
 
     def _prune_grants(self) -> None:
+        """Forget the grants of transfers the store no longer holds, oldest first, down to 3/4 of
+        max_grants. A live transfer's grant is never forgotten (on a server without require_grants
+        that would open it to any peer): live grants are bounded by the store's live entries, each
+        of which holds at least one slot."""
         target = self.max_grants * 3 // 4
         for tid in list(self._grants):
             if len(self._grants) <= target:
                 return
             if not self.store.contains(tid):
                 del self._grants[tid]
-        while len(self._grants) > self.max_grants:  # every one still held: forget the oldest
-            self._grants.popitem(last=False)
+        if len(self._grants) > self.max_grants:
+            self.log.warning("grants", "store server: %d live transfers hold tokens (max_grants %d); keeping them",
+                             len(self._grants), self.max_grants)
 
     def _authorized(self, transfer_id: str, token: str) -> bool:
         with self._grants_lock:
