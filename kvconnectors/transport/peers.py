@@ -72,14 +72,20 @@ def default_networks(own_hosts: Sequence[str | None] = ()) -> list[Network]:
     except Exception as exc:  # no psutil support on this platform: loopback and own hosts only
         logger.warning("allowed_peers: cannot list this host's interfaces (%r); the default allows loopback "
                        "and the configured hosts only", exc)
-    for host in own_hosts:
+    return list(dict.fromkeys(nets + _own(own_hosts)))
+
+
+def _own(hosts: Sequence[str | None]) -> list[Network]:
+    """The IP literals among this instance's own bind/advertise hosts, as /32 (/128) networks."""
+    out: list[Network] = []
+    for host in hosts:
         try:
             addr = ipaddress.ip_address(host or "")
         except ValueError:
             continue  # a name: its addresses are on an interface, or must be listed
         if not addr.is_unspecified:
-            nets.append(ipaddress.ip_network(addr))
-    return list(dict.fromkeys(nets))
+            out.append(ipaddress.ip_network(addr))
+    return out
 
 
 class PeerPolicy:
@@ -94,9 +100,11 @@ class PeerPolicy:
 
     @classmethod
     def from_setting(cls, allowed: Sequence[str] | None, own_hosts: Sequence[str | None] = ()) -> "PeerPolicy":
+        """`own_hosts`: this instance's bind/advertise addresses, always allowed (its own landing
+        store is one of the peers it talks to)."""
         if allowed is None:
             return cls(default_networks(own_hosts), configured=False)
-        return cls(parse_networks(allowed), configured=True)
+        return cls(parse_networks(allowed) + _own(own_hosts), configured=True)
 
     def allows_ip(self, ip: str) -> bool:
         try:
