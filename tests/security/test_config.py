@@ -67,6 +67,11 @@ def test_allowed_peers_is_validated_and_documented() -> None:
     assert exc.value.key == "allowed_peers"
     assert TieredConfig.from_extra({"allowed_peers": ["10.0.0.0/8", "fd00::/64"]}).allowed_peers == ["10.0.0.0/8",
                                                                                                      "fd00::/64"]
+    from kvconnectors.transport.peers import PeerPolicy
+
+    own = PeerPolicy.from_setting(["10.0.0.0/8"], ("192.168.5.5", "0.0.0.0", "store.example"))
+    assert own.allows_ip("10.2.3.4") and own.allows_ip("192.168.5.5")  # its own address, always
+    assert not own.allows_ip("192.168.5.6") and not own.allows_ip("127.0.0.1") and not own.allows_ip("0.0.0.0")
 
 
 def test_the_default_allows_loopback_and_own_subnets_only() -> None:
