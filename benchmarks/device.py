@@ -6,7 +6,7 @@ side with the plain copies they stand in for, in the same run:
            layouts on CUDA) on the copy stream into the store's arena slots, xxh3 of every row, commit
   gather   torch.index_select of the same blocks into a host tensor (page-locked on CUDA)
   load     Loader.load + its event: one batched scatter per layer from page-locked host rows
-  scatter  index_copy_ of the same rows into the same blocks
+  scatter  the same rows into the same blocks: index_copy_ on CUDA, numpy fancy assignment on CPU
   CUDA only:
   d2h/h2d  a page-locked host <-> device copy_ of the same bytes: the ceiling the GB/s are put against
   forward  a bf16 matmul loop on the default stream, alone and with staging running beside it on the
@@ -182,9 +182,10 @@ class LayoutRun:
                     for layer in self.layers:
                         self.gd.views[layer].index_copy_(0, self.ids,
                                                          self.rows_t[layer].to(self.device, non_blocking=True))
-            else:
+            else:  # numpy's fancy assignment: the fastest plain CPU scatter (index_copy_ is bytewise on uint8)
+                ids = self.ids.numpy()
                 for layer in self.layers:
-                    self.gd.views[layer].index_copy_(0, self.ids, self.rows_t[layer])
+                    self.gd.views[layer].numpy()[ids] = self.rows_t[layer].numpy()
         return self.clock.time(run)
 
     # -------------------------------------------------------------------------------- CUDA only
@@ -413,8 +414,8 @@ def render(result: dict[str, Any]) -> str:
     rows = []
     notes = {"stage": "Stager.stage+complete -> TieredStore arena, xxh3 of every row",
              "gather": "torch.index_select into a host tensor" + (" (page-locked)" if c["device"] == "cuda" else ""),
-             "load": "Loader.load + event: index_copy_ per layer from host rows",
-             "scatter": "index_copy_ of the same rows"}
+             "load": "Loader.load + event: one scatter per layer from host rows",
+             "scatter": ("index_copy_" if c["device"] == "cuda" else "numpy fancy assignment") + " of the same rows"}
     for name, x in result["layouts"].items():
         for i, p in enumerate(PATHS):
             s = x["paths"][p]
