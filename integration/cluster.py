@@ -68,6 +68,9 @@ class PDCluster:
         if hosts is not None:
             for plan in self.plans:
                 plan.place_on(hosts.address(self._host_of(plan.name, plan.role)))
+                # emulated hosts share one kernel: UCX would move nixl's bytes through shared
+                # memory (cma, posix) instead of the link; a real second host has no such path
+                plan.env["UCX_TLS"] = "tcp,self"
         self.servers: list[VllmServer] = [launcher.build_server(p, self.args, self.log_dir) for p in self.plans]
         self._extra_proxy_args = list(proxy_args)
         # built now so that bad proxy_args fail before any server starts
