@@ -1,11 +1,12 @@
 """Issue 16, finding 8: the shm consumer trusted the producer's `shm_path`. A fake producer made it
 copy an arbitrary file into KV blocks, and a FIFO path blocked a pull past its deadline.
 
-Now (transport/paths.py, `_shm_arena`) the consumer maps only SHM_DIR/<a store's shm_name>, opened
-with O_NOFOLLOW | O_NONBLOCK, and only when fstat says it is a regular file owned by this user,
-whose size is whole slots and at least the slots the read needs, and whose exclusive lock is
-held (a symlink, FIFO, device, socket or directory is refused from its lstat, never opened) (a live store's arena, store/arena.py); all before the load deadline, every refusal a typed
-TransferError and no byte copied.
+Now (transport/paths.py, `_shm_arena`) the consumer maps only SHM_DIR/<a store's shm_name>: a
+symlink, FIFO, device, socket or directory is refused from its lstat, never opened; the name is
+opened with O_NOFOLLOW | O_NONBLOCK, and mapped only when fstat says it is a regular file owned by
+this user, whose size is whole slots and at least the slots the read needs, and whose exclusive
+lock is held (a live store's arena, store/arena.py); all before the load deadline, every refusal a
+typed TransferError and no byte copied.
 
 The fake producer is a crafted ReadReply handed to ShmPull.read_into, the consumer's whole shm
 step (no sockets). Every file a test makes in /dev/shm has a unique name and is removed. Seen to
