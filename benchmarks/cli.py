@@ -5,9 +5,11 @@
     kvconnectors bench e2e
     kvconnectors bench proxy --requests 200
     kvconnectors bench layerwise --preset 8b --tokens 2000 --group 4
+    kvconnectors bench device --device cuda --layout all
 
 Each benchmark module also runs on its own: `python -m kvconnectors.benchmarks.transfer`,
-`python -m kvconnectors.benchmarks.tiers`, `python -m kvconnectors.benchmarks.layerwise`.
+`python -m kvconnectors.benchmarks.tiers`, `python -m kvconnectors.benchmarks.layerwise`,
+`python -m kvconnectors.benchmarks.device`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "layerwise": ("kvconnectors.benchmarks.layerwise",
                   "TTFT of a pushed prompt: prefill alone, bulk and layer-wise over emulated links; short-prompt "
                   "crossover."),
+    "device": ("kvconnectors.benchmarks.device",
+               "The mover's Stager/Loader on GPU-shaped caches beside plain index_select/index_copy_ (cuda or cpu); "
+               "no vLLM."),
 }
 
 

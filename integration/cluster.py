@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvconnectors.integration import launcher
 from kvconnectors.integration import proxy as proxy_mod
 from kvconnectors.serving import VllmServer, free_port, stop_all
+
+if TYPE_CHECKING:
+    from kvconnectors.testing.hosts import Hosts
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +48,12 @@ class PDCluster:
     def __init__(self, model: str, *, connector: str = "TieredConnector", transport: str | None = None,
                  prefill: int = 1, decode: int = 1, kv_extra: dict | None = None, vllm_args: str = "",
                  proxy_args: Sequence[str] = (), log_dir: Path | None = None, health_timeout: float = 300.0,
-                 proxy_process: bool = False, mode: str = "pull", device: str = "auto", gpus: str | None = None):
-        """`device` and `gpus` as serve-pd's --device and --gpus (e.g. gpus="0,1")."""
+                 proxy_process: bool = False, mode: str = "pull", device: str = "auto", gpus: str | None = None,
+                 hosts: "Hosts | None" = None, placement: Mapping[str, str] | None = None):
+        """`device` and `gpus` as serve-pd's --device and --gpus (e.g. gpus="0,1"). `hosts` and
+        `placement` put instances on emulated hosts: placement maps an instance name (prefill-0) or
+        a role (prefill, decode, proxy) to a host name of `hosts`; run requests from
+        `inside_client()`."""
         import json
 
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvc-cluster-"))
@@ -56,6 +64,13 @@ class PDCluster:
             device=device, gpus=gpus)
         launcher.validate(self.args)
         self.plans = launcher.plan_instances(self.args)
+        self.hosts, self.placement = hosts, dict(placement or {})
+        if hosts is not None:
+            for plan in self.plans:
+                plan.place_on(hosts.address(self._host_of(plan.name, plan.role)))
+                # emulated hosts share one kernel: UCX would move nixl's bytes through shared
+                # memory (cma, posix) instead of the link; a real second host has no such path
+                plan.env["UCX_TLS"] = "tcp,self"
         self.servers: list[VllmServer] = [launcher.build_server(p, self.args, self.log_dir) for p in self.plans]
         self._extra_proxy_args = list(proxy_args)
         # built now so that bad proxy_args fail before any server starts
@@ -72,18 +87,38 @@ class PDCluster:
     def decode(self) -> list[VllmServer]:
         return [s for s, p in zip(self.servers, self.plans) if p.role == "decode"]
 
+    def _host_of(self, name: str, role: str) -> str:
+        host = self.placement.get(name) or self.placement.get(role)
+        if host is None:
+            raise ValueError(f"placement names no host for {name} (role {role}): {self.placement}")
+        return host
+
+    def _on(self, name: str, role: str) -> contextlib.AbstractContextManager[None]:
+        """Run what follows (and what it starts) on the instance's host; a no-op without hosts."""
+        if self.hosts is None:
+            return contextlib.nullcontext()
+        return self.hosts.inside(self._host_of(name, role))
+
+    def inside_client(self) -> contextlib.AbstractContextManager[None]:
+        """Where requests to the proxy come from: the proxy's host (a no-op without hosts)."""
+        return self._on("proxy", "proxy")
+
     def start(self) -> "PDCluster":
         try:
-            for s in self.servers:
-                s.start(wait=False)
-            for s in self.servers:
-                s.wait_healthy()
+            for s, p in zip(self.servers, self.plans):
+                with self._on(p.name, p.role):
+                    s.start(wait=False)
+            for s, p in zip(self.servers, self.plans):
+                with self._on(p.name, p.role):  # /health is only reachable from a host
+                    s.wait_healthy()
             # Pick the proxy's port only now: one chosen before the servers started could have
             # been taken by one of their own ephemeral sockets meanwhile.
             self.args.proxy_port = 0 if not self._proxy_process else free_port()
             self.proxy_config = launcher.proxy_config(self.plans, self.args, self._extra_proxy_args)
-            self._proxy = (ProxyProcess(proxy_mod.config_argv(self.proxy_config), self.proxy_config, self.log_dir)
-                           if self._proxy_process else ProxyThread(self.proxy_config)).start()
+            with self.inside_client():
+                self._proxy = (ProxyProcess(proxy_mod.config_argv(self.proxy_config), self.proxy_config,
+                                            self.log_dir) if self._proxy_process
+                               else ProxyThread(self.proxy_config)).start()
             self.proxy_url = self._proxy.url
         except BaseException:
             self.stop()

@@ -66,6 +66,7 @@ class InstancePlan:
     env: dict[str, str]
     kv_addr: str | None = None        # host:port of its KV store (TieredConnector), for push mode
     gpus: tuple[str, ...] = ()        # its CUDA_VISIBLE_DEVICES on CUDA; empty on CPU
+    host: str | None = None           # its own address (another host); None: the launcher's --host
 
     @property
     def device(self) -> str:
@@ -76,7 +77,22 @@ class InstancePlan:
         return self.kv_transfer_config["kv_role"]
 
     def url(self, host: str) -> str:
-        return f"http://{host}:{self.port}"
+        return f"http://{self.host or host}:{self.port}"
+
+    def place_on(self, address: str, device: str = "eth0") -> None:
+        """Run this instance on another host at `address` (e.g. an emulated one, testing/hosts.py):
+        its store binds every interface and advertises `address` (a shared secret must be set:
+        peers come over a network), NIXL's side channel listens there, and UCX uses `device`,
+        not the loopback."""
+        self.host = address
+        extra = self.kv_transfer_config.get("kv_connector_extra_config")
+        if self.kv_transfer_config.get("kv_connector") == "TieredConnector" and extra is not None:
+            extra.update(bind_host="0.0.0.0", advertise_host=address)
+            if self.kv_addr:
+                self.kv_addr = f"{address}:{self.kv_addr.rsplit(':', 1)[1]}"
+        if "VLLM_NIXL_SIDE_CHANNEL_HOST" in self.env:
+            self.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = address
+        self.env["UCX_NET_DEVICES"] = device
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -353,7 +369,7 @@ def server_args(plan: InstancePlan, args: argparse.Namespace) -> list[str]:
 
 def build_server(plan: InstancePlan, args: argparse.Namespace, log_dir: Path) -> VllmServer:
     return VllmServer(
-        args.model, name=plan.name, served_model_name=args.served_model_name, host=args.host,
+        args.model, name=plan.name, served_model_name=args.served_model_name, host=plan.host or args.host,
         port=plan.port, extra_args=server_args(plan, args), env=plan.env, core=plan.core,
         device=plan.device, pythonpath=[PACKAGE_ROOT], log_path=log_dir / f"{plan.name}.log",
         stream_logs=not args.quiet, health_timeout=args.health_timeout)

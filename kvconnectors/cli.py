@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                  "Launch prefill and decode `vllm serve` pools plus the P/D proxy."),
     "proxy": ("kvconnectors.integration.proxy", "Run the P/D proxy in front of running prefill/decode instances."),
     "conformance": ("kvconnectors.conformance.cli", "Run the connector conformance suite and print a matrix."),
-    "bench": ("kvconnectors.benchmarks.cli", "Run a benchmark (transfer, tiers, layerwise, e2e, proxy)."),
+    "bench": ("kvconnectors.benchmarks.cli", "Run a benchmark (transfer, tiers, layerwise, e2e, proxy, device)."),
 }
 
 

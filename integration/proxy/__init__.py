@@ -11,14 +11,17 @@ Push mode (`--mode push`, or header `X-KV-Transfer-Mode: push`) picks the decode
 tells the prefill instance where to push: `transfer_mode: "push", push_target: "<decode KV store>"`.
 
 Every wait is bounded (per-leg timeouts), every failure reaches the client as OpenAI-style error JSON
-(`{"error": {"message", "type", "code"}}`, code = HTTP status), a client that goes away closes both
-upstream requests (vLLM then aborts them), and a health loop takes dead instances out and puts
-recovered ones back. Prometheus metrics at /metrics.
+(`{"error": {"message", "type", "code"}}`, code = HTTP status; a body that is not JSON, deep nesting
+included, is a 400, one too large a 413, one beyond the in-flight body budget a 503), a client that
+goes away closes both upstream requests (vLLM then aborts them), and a health loop takes dead
+instances out and puts recovered ones back. Prometheus metrics at /metrics.
 
 Modules: `config` (ProxyConfig, the instance specs and their flags), `pool` (instances, least-loaded
 picking, the health loop), `metrics`, `errors` (the error bodies and `upstream_failure`, the one
-mapping of an instance's status and body to the proxy's outcome), `app` (PDProxy: routes and the P/D
-flow), `cli` (`kvconnectors proxy`, `python -m kvconnectors.integration.proxy`).
+mapping of an instance's status and body to the proxy's outcome), `limits` (request bodies read
+against --max-body-bytes and the --max-inflight-body-bytes budget: 413 / 503 before they are read),
+`app` (PDProxy: routes and the P/D flow), `cli` (`kvconnectors proxy`, `python -m
+kvconnectors.integration.proxy`).
 
 Run: `kvconnectors proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200` or
 `python -m kvconnectors.integration.proxy ...`.

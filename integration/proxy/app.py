@@ -20,12 +20,15 @@ from kvconnectors.cli_types import binding
 
 from .config import MODE_HEADER, MODES, ProxyConfig
 from .errors import ClientGone, PassThrough, ProxyError, error_body, is_connect_error, snippet, upstream_failure
+from .limits import RETRY_AFTER_S, BodyBudget, read_body
 from .metrics import ProxyMetrics
 from .pool import HealthChecker, Instance, Pool
 
 log = logging.getLogger("kvconnectors.proxy")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# ProxyError reasons of the body limits (limits.py): counted in kvproxy_body_refusals, logged at debug
+LIMIT_REASONS = ("body_too_large", "body_budget_exhausted")
 # Headers passed on to both legs (vLLM may run with --api-key).
 FORWARDED_HEADERS = ("Authorization",)
 
@@ -59,6 +62,8 @@ class PDProxy:
         config.validate()
         self.config = config
         self.metrics = ProxyMetrics()
+        self.bodies = BodyBudget(config.max_inflight_body_bytes)
+        self.metrics.body_bytes.set_function(lambda: self.bodies.held)
         self.prefill = Pool("prefill", config.prefill, self.metrics)
         self.decode = Pool("decode", config.decode, self.metrics)
         self.health = HealthChecker(self.all_instances(), interval=config.health_interval,
@@ -78,6 +83,7 @@ class PDProxy:
     # ---- lifecycle ----------------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
+        # client_max_size: a backstop only; bodies are read by limits.read_body, which answers 413/503 as JSON
         app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -173,21 +179,28 @@ class PDProxy:
     def _forward_headers(self, request: web.Request) -> dict[str, str]:
         return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
 
-    def _error(self, status: int, type_: str, message: str, request_id: str) -> web.Response:
-        headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+    def _error(self, status: int, type_: str, message: str, request_id: str,
+               headers: dict[str, str] | None = None) -> web.Response:
+        headers = {**({REQUEST_ID_HEADER: request_id} if request_id else {}), **(headers or {})}
         return web.json_response(error_body(status, type_, message), status=status, headers=headers)
 
     async def _handle(self, request: web.Request, endpoint: str, path: str) -> web.StreamResponse:
         started = time.monotonic()
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         status = 500
+        lease = None
         try:
+            # 413 / 503 before reading what the limits refuse; held until the response is sent
+            data, lease = await read_body(request, self.bodies, self.config.max_body_bytes)
             try:  # msgspec: 5-10x faster than json both ways, which counts on long prompts
-                body = msgspec.json.decode(await request.read())
+                body = msgspec.json.decode(data)
                 if not isinstance(body, dict):
                     raise ValueError("the body must be a JSON object")
             except ValueError as exc:  # msgspec.DecodeError is a ValueError
                 raise ProxyError(400, "invalid_request_error", f"invalid JSON body: {exc}") from None
+            except RecursionError:  # msgspec's depth guard: deeply nested arrays or objects
+                raise ProxyError(400, "invalid_request_error", "invalid JSON body: nested too deeply") from None
+            del data  # the decoded body is what the legs use
             mode = request.headers.get(MODE_HEADER, self.config.mode).strip().lower()
             if mode not in MODES:
                 raise ProxyError(400, "invalid_request_error",
@@ -208,12 +221,24 @@ class PDProxy:
                                 headers={REQUEST_ID_HEADER: request_id})
         except ProxyError as exc:
             status = exc.status
-            log.warning("request %s failed: %s", request_id, exc.message)
-            return self._error(exc.status, exc.type, f"{exc.message} (request id {request_id})", request_id)
+            if exc.reason in LIMIT_REASONS:  # counted by status; one line per refusal would flood the log
+                self.metrics.body_refusals.labels(exc.reason).inc()
+                log.debug("request %s refused: %s", request_id, exc.message)
+            else:
+                log.warning("request %s failed: %s", request_id, exc.message)
+            retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.reason == "body_budget_exhausted" else None
+            return self._error(exc.status, exc.type, f"{exc.message} (request id {request_id})", request_id, retry)
         except asyncio.CancelledError:
             status = 499
             raise
+        except Exception as exc:  # a bug, not the client: still OpenAI-style JSON, never aiohttp's text/plain 500
+            status = 500
+            log.exception("request %s: internal error", request_id)
+            return self._error(500, "internal_error", f"proxy internal error: {type(exc).__name__} "
+                               f"(request id {request_id})", request_id)
         finally:
+            if lease is not None:
+                lease.release()
             m = self.metrics
             m.child(m.requests, endpoint, str(status)).inc()
             m.child(m.e2e, endpoint).observe(time.monotonic() - started)

@@ -15,6 +15,7 @@ from kvconnectors import settings
 from kvconnectors.cli_types import (LOG_LEVELS, MAX_PORT, log_level, non_negative_int, port_or_zero, positive_float,
                                     positive_int)
 from kvconnectors.cli_types import port as parse_port
+from kvconnectors.store.sizes import parse_size
 
 # A request picks its own mode with this header (named in --mode's help, read by the app).
 MODE_HEADER = "X-KV-Transfer-Mode"
@@ -74,7 +75,14 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
                                           ge=1, parse=positive_int)] = 2
     max_connections: Annotated[int, _flag("upper bound on open upstream connections", ge=1,
                                           parse=positive_int)] = 1024
-    max_body_bytes: Annotated[int, _flag("largest client request body, in bytes", ge=1, cli=False)] = 64 * 2**20
+    max_body_bytes: Annotated[int, _flag(
+        "largest client request body, in bytes (64MiB, 8m and 1000000 all work); a larger one is answered 413 "
+        "with OpenAI-style error JSON before it is read", ge=1, parse=byte_size, metavar="BYTES")] = 64 * 2**20
+    max_inflight_body_bytes: Annotated[int, _flag(
+        "request body bytes held at once over all requests in flight, each until its response is sent; a "
+        "request that does not fit is answered 503 (Retry-After: 1) before its body is read. The proxy's "
+        "memory grows by a few times this at most (decoded bodies, both legs); at least --max-body-bytes",
+        ge=1, parse=byte_size, metavar="BYTES")] = 256 * 2**20
     log_level: Annotated[Literal[LOG_LEVELS], _flag("proxy log level, in any case (debug or DEBUG)",
                                                     parse=log_level)] = "INFO"
     forward_kv_params: Annotated[tuple[str, ...], _flag(
@@ -94,6 +102,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
             missing = [d.url for d in self.decode if not d.kv_addr]
             if missing:
                 raise ValueError(f"--mode push needs kv=HOST:PORT on every --decode; missing on {missing}")
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError(f"--max-inflight-body-bytes {self.max_inflight_body_bytes} is below --max-body-bytes "
+                             f"{self.max_body_bytes}: a body of allowed size could never be taken")
         for flag, specs in (("--prefill", self.prefill), ("--decode", self.decode)):
             urls = [s.url for s in specs]
             dups = sorted({u for u in urls if urls.count(u) > 1})
@@ -123,6 +134,17 @@ def parse_key_list(value: str) -> tuple[str, ...]:
     if not keys or not all(k.replace("_", "").isalnum() for k in keys):
         raise argparse.ArgumentTypeError(f"invalid key list {value!r}: expected KEY[,KEY...] of letters, digits, _")
     return keys
+
+
+def byte_size(value: str) -> int:
+    """argparse type: a positive byte count, with the store's units (64MiB, 8m, 1GB; store/sizes.py)."""
+    try:
+        n = parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1 byte, got {value!r}")
+    return n
 
 
 def parse_hostport(value: str) -> str:

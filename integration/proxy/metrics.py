@@ -32,6 +32,10 @@ class ProxyMetrics:
                                         ["reason"], registry=r)
         self.decode_failures = Counter("kvproxy_decode_failures", "Failed decode legs by reason",
                                        ["reason"], registry=r)
+        self.body_bytes = Gauge("kvproxy_inflight_body_bytes", "Request body bytes held by requests in flight "
+                                "(bounded by --max-inflight-body-bytes)", registry=r)
+        self.body_refusals = Counter("kvproxy_body_refusals", "Requests refused by the body limits: body_too_large "
+                                     "(413) or body_budget_exhausted (503)", ["reason"], registry=r)
         self.retries = Counter("kvproxy_prefill_retries", "Prefill attempts retried on another instance",
                                registry=r)
         # labels() takes a lock and builds its key on every call: the per-request path looks its

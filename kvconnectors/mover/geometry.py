@@ -143,7 +143,9 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], *, block_size: int, l
         raise _refuse(f"layer {names[0]}'s blocks overlap (strides {first.stride()})", backend, layout, cache_dtype)
     block_stride = int(v0.stride(0))
     detected = _layout_of(first if first.dim() == 4 else first.unsqueeze(1), kv_caches, es)
-    if layout != "unknown" and detected is not None and detected != layout:
+    # One layer: where L sits in the name changes no stride (BLHNC of one layer is LBHNC).
+    if layout != "unknown" and detected is not None and detected != layout \
+            and not (len(views) == 1 and detected.replace("L", "") == layout.replace("L", "")):
         raise _refuse(f"the caches' strides say layout {detected}, vLLM says {layout}", backend, layout, cache_dtype)
     cross = _is_cross_layer(views, block_bytes, block_stride)
     return BlockGeometry(

@@ -108,15 +108,21 @@ class Stager:
 
     def complete(self, copy: StagedCopy, timeout_s: float | None = None) -> np.ndarray:
         """Wait for the copy, commit it to the store; returns the rows' xxh3 checksums as
-        uint64 [len(layers), num_blocks] (zeros when checksums are off)."""
+        uint64 [len(layers), num_blocks] (zeros when checksums are off). A TimeoutError leaves the
+        copy open (its slots held): call complete() again or abandon()."""
         assert copy.event is not None and not copy.completed
-        copy.completed = True
         target = copy.target
         try:
             copy.event.wait(timeout_s)
         except BaseException:
+            if not copy.event.done():
+                # Still copying into the slots (a timeout): keep holding them, so the entry's slots
+                # cannot be freed and reused under the copy; complete() again, or abandon() (waits).
+                raise
+            copy.completed = True
             self.store.end_write(target, None, ok=False)
             raise
+        copy.completed = True
         sums = np.zeros(target.rows, dtype=np.uint64)
         try:
             if copy.bounce is not None and not self.arena_pinned:  # every row bounced: into the arena now

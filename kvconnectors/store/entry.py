@@ -2,7 +2,8 @@
 
 Slots of one entry may sit in different tiers (the tail of an entry spills first, and an entry too
 big for free DRAM starts partly on NVMe). `loc[i]` for slot i = layer * num_blocks + block is a DRAM
-slot number when >= 0 and NVMe extent id `-loc[i] - 1` when < 0.
+slot number when >= 0 and NVMe extent id `-loc[i] - 1` when < 0, or UNRESERVED: an entry created
+with reserve=False (a landing entry) gets its slots as its writer reserves them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,14 @@ from typing import NamedTuple
 import numpy as np
 
 from kvconnectors.store.lease import Lease
+
+
+UNRESERVED = np.iinfo(np.int64).min  # a slot position that holds no slot yet
+
+
+def on_nvme(loc: np.ndarray) -> np.ndarray:
+    """Mask of the positions of `loc` that name an NVMe extent (not DRAM, not UNRESERVED)."""
+    return (loc < 0) & (loc != UNRESERVED)
 
 
 def nvme_loc(ext_ids: np.ndarray) -> np.ndarray:
@@ -41,6 +50,7 @@ class Entry:
     restoring: bool = False                   # a restore is moving it up: no second mover
     ended: str | None = None                  # detached from the key table (released/expired); free when idle
     deferred_ext: list[np.ndarray] = field(default_factory=list)  # extents freed once io == 0
+    writer: object = None                     # while unsealed, only this renews or releases it
 
     def __post_init__(self) -> None:
         if self.written is None:
@@ -58,7 +68,7 @@ class Entry:
         return int(np.count_nonzero(self.loc >= 0))
 
     def nvme_count(self) -> int:
-        return int(np.count_nonzero(self.loc < 0)) + sum(a.size for a in self.deferred_ext)
+        return int(np.count_nonzero(on_nvme(self.loc))) + sum(a.size for a in self.deferred_ext)
 
     def idle(self) -> bool:
         return self.pins == 0 and self.io == 0 and not self.spilling and not self.restoring

@@ -28,7 +28,7 @@ from kvconnectors.errors import LeaseExpiredError, StoreFullError, TransferError
 from kvconnectors.store.arena import DramArena
 from kvconnectors.store.buffers import SlotRows, aligned_empty, as_slots
 from kvconnectors.store.config import StoreConfig
-from kvconnectors.store.entry import Entry, EntryInfo, ext_of, nvme_loc
+from kvconnectors.store.entry import UNRESERVED, Entry, EntryInfo, ext_of, nvme_loc, on_nvme
 from kvconnectors.store.errors import NotSealedError, StoreClosedError
 from kvconnectors.store.lease import Clock, Lease, LeaseWire, MonotonicClock, check_ttl
 from kvconnectors.store.nvme import NvmeTier
@@ -105,10 +105,17 @@ class TieredStore:
         return self._arena.nbytes
 
     # ------------------------------------------------------------------ producer side
-    def create(self, key: str, num_layers: int, num_blocks: int, ttl_s: float | None = None) -> None:
+    def create(self, key: str, num_layers: int, num_blocks: int, ttl_s: float | None = None, *,
+               reserve: bool = True, writer: object = None) -> None:
         """Reserve every slot of a new entry. DRAM first; when DRAM is short, sealed idle entries
         spill their tails to NVMe, and what still does not fit starts on NVMe. StoreFullError only
-        when free DRAM + free NVMe < the entry; then nothing stored is touched."""
+        when free DRAM + free NVMe < the entry; then nothing stored is touched.
+
+        reserve=False (a landing entry, filled by peers): the same check that the entry would fit
+        now, but no slot is reserved: `reserve()` takes them as the bytes arrive. `writer` (any
+        object): while the entry is unsealed, only renew(writer=writer) renews its lease and only
+        release(writer=writer) releases it (others are answered UnknownTransferError), so nobody
+        but its writer keeps an unfinished entry alive or ends it; expiry still does."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"key must be a non-empty str, got {key!r}")
         for name, v in (("num_layers", num_layers), ("num_blocks", num_blocks)):
@@ -127,6 +134,11 @@ class TieredStore:
                 self.stats.failure("store_full")
                 raise StoreFullError(self._full_message(key, num_layers, num_blocks))
             seq = next(self._seq)
+            if not reserve:
+                self._add_entry(Entry(key, int(num_layers), int(num_blocks), Lease.start(self.clock, ttl),
+                                      np.full(n, UNRESERVED, dtype=np.int64), seq, writer=writer))
+                self.stats.add(creates=1)
+                return
             stripe = seq % max(1, len(nvme.files))
             dram = arena.alloc(min(free_d, n))
             victims = pick_victims(self._entries.values(), min(n - dram.size, free_n))
@@ -158,11 +170,36 @@ class TieredStore:
                 arena.free(loc[loc >= 0])
                 nvme.free(ext_of(loc[loc < 0]))
                 raise StoreClosedError("store closed during create()")
-            e = Entry(key, int(num_layers), int(num_blocks), Lease.start(self.clock, ttl), loc, seq)
-            self._entries[key] = e
-            self._tombs.discard(key)
-            heapq.heappush(self._heap, (e.lease.deadline, seq, key))
+            self._add_entry(Entry(key, int(num_layers), int(num_blocks), Lease.start(self.clock, ttl), loc, seq,
+                                  writer=writer))
         self.stats.add(creates=1)
+
+    def reserve(self, key: str, layer: int | Sequence[int], first_block: int, rows: int) -> int:
+        """Reserve the slots of `rows` positions of an unsealed entry (named as for `write`) that
+        have none yet (an entry created with reserve=False): free DRAM first, then free NVMe;
+        nothing stored is spilled for them. Returns how many were newly reserved. StoreFullError
+        when free DRAM + free NVMe cannot hold them; then nothing changes."""
+        arena, nvme = self._arena, self._nvme
+        with self._cond:
+            e = self._live(key)
+            if e.sealed:
+                raise ValueError(f"transfer {key!r} is sealed; its bytes cannot change")
+            idx = self._positions(e, layer, first_block, rows)
+            pos = _positions_where(idx, e.loc[idx] == UNRESERVED)
+            n = int(pos.size)
+            if not n:
+                return 0
+            free_d, free_n = arena.free_slots, nvme.free_slots
+            if n > free_d + free_n:
+                self.stats.failure("store_full")
+                s = self.slot_bytes
+                raise StoreFullError(
+                    f"cannot reserve {n} more slots ({format_size(n * s)}) for {key!r}: free DRAM "
+                    f"{format_size(free_d * s)}, NVMe {format_size(free_n * s)} ({len(self._entries)} entries)")
+            dram = arena.alloc(min(free_d, n))
+            ext = nvme.alloc(n - dram.size, e.seq % max(1, len(nvme.files)))
+            e.loc[pos] = np.concatenate((dram, nvme_loc(ext)))
+        return n
 
     def write(self, key: str, layer: int | Sequence[int], first_block: int, data: Any) -> None:
         """Copy n slots (data: uint8 (n, slot_bytes) or any C-contiguous buffer of n*slot_bytes)
@@ -191,6 +228,9 @@ class TieredStore:
             if e.sealed:
                 raise ValueError(f"transfer {key!r} is sealed; its bytes cannot change")
             idx = self._positions(e, layer, first_block, rows)
+            if (e.loc[idx] == UNRESERVED).any():
+                raise ValueError(f"transfer {key!r}: layer(s) {layer} from block {first_block}: slots not "
+                                 f"reserved yet (reserve() them first)")
             e.io += 1
             e.writes += 1
             loc = e.loc[idx].copy()
@@ -307,9 +347,12 @@ class TieredStore:
                 self._settle(e)
 
     # ------------------------------------------------------------------ leases
-    def renew(self, key: str, ttl_s: float | None = None) -> float:
+    def renew(self, key: str, ttl_s: float | None = None, *, writer: object = None) -> float:
+        """Restart the entry's lease. An unsealed entry created with a `writer` renews only with
+        that writer (others: UnknownTransferError, so the answer reveals nothing about it)."""
         with self._cond:
             e = self._live(key)
+            self._check_writer(e, writer)
             ttl = e.lease.renew(ttl_s)
             heapq.heappush(self._heap, (e.lease.deadline, e.seq, key))
             if len(self._heap) > 4 * len(self._entries) + 1024:  # drop stale heap items
@@ -327,9 +370,10 @@ class TieredStore:
         with self._cond:
             return self._live(key).lease.to_wire()
 
-    def release(self, key: str) -> None:
+    def release(self, key: str, *, writer: object = None) -> None:
         """Free the entry now (when its last holder lets go, if pinned or being read). Releasing a
-        key that already ended is a no-op; a key never seen raises UnknownTransferError."""
+        key that already ended is a no-op; a key never seen raises UnknownTransferError, and so
+        does an unsealed entry created with another `writer`."""
         with self._cond:
             self._check_open()
             self._expire_locked()
@@ -338,6 +382,7 @@ class TieredStore:
                 if self._tombs.get(key) is not None:
                     return
                 raise UnknownTransferError(f"transfer {key!r} is not in this store")
+            self._check_writer(e, writer)
             self._end(e, "released")
 
     def expire_now(self) -> list[str]:
@@ -365,7 +410,7 @@ class TieredStore:
     def info(self, key: str) -> EntryInfo:
         with self._cond:
             e = self._live(key)
-            ext = ext_of(e.loc[e.loc < 0])
+            ext = ext_of(e.loc[on_nvme(e.loc)])
             by_dir = {}
             if ext.size:
                 dirs, counts = np.unique(self._nvme.dir_of(ext), return_counts=True)
@@ -402,7 +447,7 @@ class TieredStore:
             if self._pending or any(e.spilling or e.restoring for e in holders):
                 return  # reservations in flight are owned by no entry yet
             dram = np.concatenate([e.loc[e.loc >= 0] for e in holders] + [_EMPTY])
-            ext = np.concatenate([ext_of(e.loc[e.loc < 0]) for e in holders]
+            ext = np.concatenate([ext_of(e.loc[on_nvme(e.loc)]) for e in holders]
                                  + [a for e in holders for a in e.deferred_ext] + [_EMPTY])
             assert np.unique(dram).size == dram.size, "a DRAM slot belongs to two entries"
             assert dram.size == self._arena.used_slots, \
@@ -444,6 +489,16 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError("the store is closed")
+
+    @staticmethod
+    def _check_writer(e: Entry, writer: object) -> None:
+        if e.writer is not None and not e.sealed and writer is not e.writer:
+            raise UnknownTransferError(f"transfer {e.key!r} is not in this store (not for this caller)")
+
+    def _add_entry(self, e: Entry) -> None:
+        self._entries[e.key] = e
+        self._tombs.discard(e.key)
+        heapq.heappush(self._heap, (e.lease.deadline, e.seq, e.key))
 
     def _raise_missing(self, key: str) -> None:
         t = self._tombs.get(key)
@@ -530,7 +585,7 @@ class TieredStore:
 
     def _free_entry(self, e: Entry) -> None:
         self._arena.free(e.loc[e.loc >= 0])
-        self._nvme.free(ext_of(e.loc[e.loc < 0]))
+        self._nvme.free(ext_of(e.loc[on_nvme(e.loc)]))
         for a in e.deferred_ext:
             self._nvme.free(a)
         e.deferred_ext = []

@@ -38,16 +38,19 @@ class Store:
     port: int
 
 
-def pd_leaks(pd: Any, producer_alive: bool = True, secret: bytes | None = None) -> list[str]:
+def pd_leaks(pd: Any, producer_alive: bool = True, secret: bytes | None = None,
+             consumer_alive: bool = True) -> list[str]:
     """What is still held anywhere in a PDCluster (empty when clean). `pd` needs `servers` and
-    `plans` (same order); with producer_alive=False the prefill instances are not asked."""
-    alive = [s for s, p in zip(pd.servers, pd.plans) if producer_alive or p.role != "prefill"]
+    `plans` (same order); with producer_alive=False the prefill instances are not asked, with
+    consumer_alive=False the decode instances."""
+    alive = [s for s, p in zip(pd.servers, pd.plans)
+             if (producer_alive or p.role != "prefill") and (consumer_alive or p.role == "prefill")]
     # Connections and stores before /metrics: a scrape may ask its store's status (tiered/prom.py),
     # and that short-lived connection is no leak.
     held = {s.name: client_ports(s.pid) for s in alive}
     problems = []
     for store in cluster_stores(pd):
-        if store.role == "prefill" and not producer_alive:
+        if (store.role == "prefill" and not producer_alive) or (store.role != "prefill" and not consumer_alive):
             continue
         problems += client_problems(store, held)
         problems += store_problems(store, held_to(held, store.port), secret)
@@ -137,11 +140,12 @@ def store_problems(store: Store, seen_clients: int, secret: bytes | None) -> lis
     return problems
 
 
-def assert_pd_idle(pd: Any, producer_alive: bool = True, timeout: float = 20.0, secret: bytes | None = None) -> None:
+def assert_pd_idle(pd: Any, producer_alive: bool = True, timeout: float = 20.0, secret: bytes | None = None,
+                   consumer_alive: bool = True) -> None:
     """Wait (bounded) until nothing is held, else fail naming what is."""
     deadline = time.monotonic() + timeout
     while True:
-        problems = pd_leaks(pd, producer_alive, secret)
+        problems = pd_leaks(pd, producer_alive, secret, consumer_alive)
         if not problems:
             return
         if time.monotonic() > deadline:

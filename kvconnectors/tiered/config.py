@@ -95,7 +95,8 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
             from kvconnectors.transport.peers import parse_networks
 
             parse_networks(self.allowed_peers)
-        self._check_exposure()
+        self._check_exposure()  # any transport: a wildcard bind needs a secret or allow_insecure
+        _nixl_needs_secret(self.transport, self.bind_host, self.secret_file)  # nixl: any non-loopback bind
         if self.heartbeat_interval_s is None:
             self.heartbeat_interval_s = self.lease_ttl_s / 3
         if self.heartbeat_interval_s >= self.lease_ttl_s:
@@ -166,3 +167,31 @@ def _host(key: str, value: Any) -> None:
     except ValueError:
         if not all(part and part.replace("-", "").isalnum() for part in value.split(".")):
             raise ConfigError(key, value, "is neither an IP address nor a valid host name") from None
+
+
+def _nixl_needs_secret(transport: str, bind_host: str, secret_file: str | None) -> None:
+    """transport "nixl" reachable from other hosts needs the shared secret (issue 16, finding 5).
+    NIXL cannot limit a peer to one entry: the agent metadata a nixl ReadReply carries lets its
+    holder READ and WRITE the producer's whole registered arena (README, Security). So that metadata
+    may go only to authenticated peers: with bind_host not a loopback address, a secret (secret_file
+    or the KVCONNECTORS_SECRET variable) must be configured."""
+    if transport != "nixl" or _is_loopback(bind_host) or secret_file:
+        return
+    from kvconnectors.transport.auth import SECRET_ENV  # noqa: PLC0415 - config stays light to import
+
+    if os.environ.get(SECRET_ENV):
+        return
+    raise ConfigError("secret_file", None, (
+        f"must be set (or {SECRET_ENV}) with transport 'nixl' and bind_host {bind_host!r}, which is not a "
+        "loopback address: the NIXL agent metadata a producer hands each consumer lets it READ and WRITE the "
+        "whole registered arena, other requests' KV included, so only authenticated peers may get it "
+        "(README, Security)"))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: assume other hosts can reach it

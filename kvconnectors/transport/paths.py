@@ -17,9 +17,12 @@ path object for everything that differs, so adding or mocking a path is one clas
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
 import socket
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +34,8 @@ import numpy as np
 import xxhash
 
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
+from kvconnectors.store.arena import SHM_DIR
+from kvconnectors.store.config import _NAME_RE as SHM_NAME_RE  # a store's shm_name: its arena's file name
 from kvconnectors.transport import wire
 
 if TYPE_CHECKING:
@@ -300,14 +305,17 @@ class ShmPull(_ArenaPull):
 
     def read_into(self, sock, peer, read, reply, dest, *, deadline, sums, dest_addrs=None) -> int:
         """One copy per block out of the producer's arena (mapped once per arena, see _shm_arena),
-        each block hashed right after its copy, while it is still in cache."""
+        each block hashed right after its copy, while it is still in cache. The reply's shm_path
+        is the producer's word: only a live store's arena under SHM_DIR is opened (see _shm_arena)."""
         if not reply.offsets or len(reply.offsets) != len(dest):
             raise TransferError(FailureCause.PROTOCOL, "shm reply without one offset per block")
-        arena = _shm_arena(reply.shm_path)
-        size, slot = len(arena), len(dest[0])
+        slot = len(dest[0])
+        arena = _shm_arena(reply.shm_path, slot, len(dest), deadline, peer)
+        size = len(arena)
         for i, (off, view) in enumerate(zip(reply.offsets, dest)):
-            if not 0 <= off <= size - slot:
-                raise TransferError(FailureCause.PROTOCOL, f"shm offset {off} outside the arena")
+            if not 0 <= off <= size - slot or off % slot:
+                raise TransferError(FailureCause.PROTOCOL, f"shm offset {off} outside the arena or not at a slot "
+                                                           f"boundary ({slot} B slots)")
             if view.format != "B":
                 view = view.cast("B")
             view[:] = arena[off:off + slot]
@@ -468,13 +476,39 @@ def read_deadline(nbytes: int) -> float:
 _SHM_MAX_ARENAS = 8
 _shm_arenas: OrderedDict[str, tuple[tuple[int, int, int], memoryview]] = OrderedDict()
 _shm_lock = threading.Lock()
+# Opened without following a symlink, without blocking (a FIFO's open waits for a writer) and
+# without becoming a controlling terminal; the fstat of what was opened decides.
+_SHM_OPEN_FLAGS = (os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
 
 
-def _shm_arena(path: str) -> memoryview:
+def _shm_refused(path: str, peer: str, why: str) -> TransferError:
+    return TransferError(FailureCause.PROTOCOL, f"producer {peer} named shm arena {path!r}, which {why}; "
+                                                "refusing to read it")
+
+
+def _shm_arena(path: str, slot: int, nblocks: int, deadline: float, peer: str = "?") -> memoryview:
     """The mapping of the arena at `path`, made once (MAP_POPULATE: no page fault per pull) and made
     again when the file changed (a restarted producer). Mappings of arenas that are gone are dropped
     (a mapping would keep an unlinked arena's memory alive), and the least recently used beyond
-    _SHM_MAX_ARENAS. Dropped mappings are unmapped once no pull still copies from them."""
+    _SHM_MAX_ARENAS. Dropped mappings are unmapped once no pull still copies from them.
+
+    `path` comes from the producer, so it is checked before anything is mapped (issue 16, finding 8):
+    it must be SHM_DIR/<name> with a store's shm_name (no other directory, no ".."); the name must
+    be a regular file (lstat: a symlink, FIFO, device, socket or directory is refused unopened); it
+    is opened with O_NOFOLLOW | O_NONBLOCK (a swap since the lstat neither follows a link nor
+    blocks), and what was opened must again be a regular file (fstat), owned by this process's user
+    (a store creates its arena 0600), whose size is whole `slot`-byte slots and at least the
+    `nblocks` slots this read needs, and whose exclusive lock is held (store/arena.py: a live
+    store's arena; any other file in SHM_DIR is not). All before `deadline`. Every refusal is a
+    typed TransferError (protocol), and nothing of the file is read. What this cannot tell apart:
+    another live store's arena of the same user on this host (see the README's shm threat model)."""
+    if time.monotonic() >= deadline:
+        raise TransferError(FailureCause.TIMEOUT, "the load deadline passed before the shm arena was opened")
+    name = os.path.basename(path) if isinstance(path, str) else ""
+    if (not isinstance(path, str) or os.path.dirname(path) != SHM_DIR or not SHM_NAME_RE.match(name)
+            or name in (".", "..")):
+        raise _shm_refused(str(path), peer, f"is not {SHM_DIR}/<name> with a store's shm_name "
+                                            "(1-64 characters of [A-Za-z0-9_.])")
     with _shm_lock:
         for other in list(_shm_arenas):
             if other != path and _file_id(other) != _shm_arenas[other][0]:
@@ -485,13 +519,19 @@ def _shm_arena(path: str) -> memoryview:
             _shm_arenas.move_to_end(path)
             return cached[1]
         _shm_arenas.pop(path, None)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:  # what the name is, before opening it: a device or FIFO is never opened at all
+            _check_kind(os.lstat(path).st_mode, path, peer)
+            fd = os.open(path, _SHM_OPEN_FLAGS)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink put in its place since the lstat
+                raise _shm_refused(path, peer, "is a symbolic link") from None
             raise TransferError(FailureCause.PEER_UNREACHABLE,
                                 f"cannot open the producer's shm arena {path}: {exc.strerror}") from None
         try:
-            st = os.fstat(fd)  # the file we opened, which may differ from the one stat'ed above
+            st = os.fstat(fd)  # the file we opened, which may differ from the one lstat'ed above
+            _check_arena_file(fd, st, path, slot, nblocks, peer)
+            if time.monotonic() >= deadline:
+                raise TransferError(FailureCause.TIMEOUT, "the load deadline passed while opening the shm arena")
             arena = memoryview(mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                          prot=mmap.PROT_READ))
         except (OSError, ValueError) as exc:  # ValueError: an empty file
@@ -505,9 +545,36 @@ def _shm_arena(path: str) -> memoryview:
         return arena
 
 
+def _check_kind(mode: int, path: str, peer: str) -> None:
+    if not stat.S_ISREG(mode):
+        kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+                "a directory" if stat.S_ISDIR(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        raise _shm_refused(path, peer, f"is {kind}")
+
+
+def _check_arena_file(fd: int, st: os.stat_result, path: str, slot: int, nblocks: int, peer: str) -> None:
+    """Refuse (TransferError) what `fd` opened unless it can be a live store's arena for this read."""
+    _check_kind(st.st_mode, path, peer)
+    if st.st_uid != os.geteuid():
+        raise _shm_refused(path, peer, f"is owned by uid {st.st_uid}, not this process's uid {os.geteuid()} (a "
+                                       "store creates its arena 0600 as the user it runs as)")
+    if slot <= 0 or st.st_size < slot * max(1, nblocks) or st.st_size % slot:
+        raise _shm_refused(path, peer, f"has {st.st_size} bytes: not whole {slot}-byte slots, or fewer than the "
+                                       f"{nblocks} slots this read needs")
+    try:  # the store holds LOCK_EX for its arena's life: a lock we can take means no live store owns the file
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return
+    except OSError as exc:
+        raise _shm_refused(path, peer, f"cannot be checked for its store's lock ({exc.strerror})") from None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    raise _shm_refused(path, peer, "is not held by a live store (its lock is free)")
+
+
 def _file_id(path: str) -> tuple[int, int, int] | None:
     try:
-        st = os.stat(path)
+        st = os.lstat(path)  # a symlink swapped in for a mapped arena is a different file
     except OSError:
         return None
     return st.st_dev, st.st_ino, st.st_size

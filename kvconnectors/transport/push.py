@@ -10,6 +10,11 @@ own staged copy (pinned while they go out), so vLLM may reuse its KV blocks as s
 When a push fails, later jobs of that transfer are skipped and `on_done(transfer_id, error)` is
 called once, so the worker can decide what the staged copy is still good for. A job that aborts a
 transfer (the producer gave up on it) only tells the landing side; it reports nothing back.
+
+One Push carries at most `max_push_bytes` (64 MiB): a larger layer group goes as several Pushes
+of consecutive block ranges (the last one sealing, when the job does). The landing side lends
+each Push a receive buffer from a pool with a fixed cap (landing.py), so bounded messages keep
+large prompts pushable and many producers side by side within it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from kvconnectors.transport.paths import TCP_PUSH, PushPath
 
 logger = get_logger(__name__)
 Addr = tuple[str, int]
+MAX_PUSH_BYTES = 64 << 20  # data of one Push message at most (the landing side's NIXL bounce buffer, too)
 
 
 def parse_target(value: object) -> Addr:
@@ -60,10 +66,13 @@ class PushSender:
     def __init__(self, store: TieredStore, *, fingerprint: str, num_layers: int,
                  client_factory: Callable[[str, int], StoreClient], timeout_s: float,
                  on_done: Callable[[str, TransferError | None], None], path: PushPath = TCP_PUSH,
-                 link_bytes_per_s: float | None = None):
+                 link_bytes_per_s: float | None = None, max_push_bytes: int = MAX_PUSH_BYTES):
         """`path`: how the groups travel (tcp; NixlPush(source=...): the landing side READs them
-        from our arena)."""
+        from our arena). `max_push_bytes`: a layer group larger than this goes as several Pushes."""
+        if max_push_bytes < 1:
+            raise ValueError(f"max_push_bytes must be >= 1, got {max_push_bytes}")
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
+        self.max_push_bytes = max_push_bytes
         self._client_factory = client_factory
         self.timeout_s = timeout_s
         self._on_done = on_done
@@ -152,28 +161,46 @@ class PushSender:
         except TransferError as exc:
             self._fail(job, exc)
 
+    def _parts(self, job: PushJob, total_blocks: int) -> list[dict]:
+        """The job's Push headers: block ranges of at most max_push_bytes each (at least one block),
+        each with its slice of the job's checksums (layer-major, like the job's); the last one
+        seals when the job does."""
+        per_block = len(job.layers) * self.store.slot_bytes
+        step = max(1, self.max_push_bytes // per_block)
+        end = job.first_block + job.num_blocks
+        heads = []
+        for start in range(job.first_block, end, step):
+            n = min(step, end - start)
+            off = start - job.first_block
+            at = [i * job.num_blocks + off for i in range(len(job.layers))]  # each layer's part
+            sums = None if job.checksums is None else [s for a in at for s in job.checksums[a:a + n]]
+            heads.append(dict(transfer_id=job.transfer_id, num_layers=self.num_layers, total_blocks=total_blocks,
+                              fingerprint=self.fingerprint, layers=job.layers, first_block=start, num_blocks=n,
+                              checksums=sums, seal=job.end and start + n == end))
+        return heads
+
     def _push(self, client: StoreClient, job: PushJob, deadline: float) -> None:
-        first, last = job.first_block, job.first_block + job.num_blocks
         slot = self.store.slot_bytes
-        nbytes = len(job.layers) * job.num_blocks * slot
-        self._pace(nbytes)
-        head = dict(transfer_id=job.transfer_id, num_layers=self.num_layers,
-                    total_blocks=self.store.info(job.transfer_id).num_blocks, fingerprint=self.fingerprint,
-                    layers=job.layers, first_block=first, num_blocks=job.num_blocks, checksums=job.checksums,
-                    seal=job.end)
+        heads = self._parts(job, self.store.info(job.transfer_id).num_blocks)
         try:
             with self.store.pinned_views(job.transfer_id, job.layers, unsealed=True) as pv:
-                self.path.send(client, head, pv, job.layers, first, last, nbytes, deadline)
+                for head in heads:
+                    first, n = head["first_block"], head["num_blocks"]
+                    nbytes = len(job.layers) * n * slot
+                    self._pace(nbytes)
+                    self.path.send(client, head, pv, job.layers, first, first + n, nbytes, deadline)
         except StoreFullError:
             # Staged straight to NVMe (DRAM was short): not in the arena, so send it over tcp from
-            # a bounce buffer read off the disk tier.
-            buf = np.empty((len(job.layers) * job.num_blocks, slot), dtype=np.uint8)
-            for i, layer in enumerate(job.layers):
-                self.store.read_into(job.transfer_id, layer, first, buf[i * job.num_blocks:(i + 1) * job.num_blocks],
-                                     unsealed=True)
-            client.push(wire.Push(**head, nbytes=nbytes), [memoryview(buf.reshape(-1))], deadline)
+            # a bounce buffer read off the disk tier. (Raised by the pin, before anything was sent.)
+            for head in heads:
+                first, n = head["first_block"], head["num_blocks"]
+                buf = np.empty((len(job.layers) * n, slot), dtype=np.uint8)
+                for i, layer in enumerate(job.layers):
+                    self.store.read_into(job.transfer_id, layer, first, buf[i * n:(i + 1) * n], unsealed=True)
+                self._pace(buf.nbytes)
+                client.push(wire.Push(**head, nbytes=buf.nbytes), [memoryview(buf.reshape(-1))], deadline)
         self.pushes += 1
-        self.bytes_pushed += nbytes
+        self.bytes_pushed += len(job.layers) * job.num_blocks * slot
 
     def _pace(self, nbytes: int) -> None:
         if not self._link_rate:

@@ -228,11 +228,11 @@ def _proxy_parser() -> argparse.ArgumentParser:
 
 
 def test_every_proxy_setting_has_its_flag_default_and_help() -> None:
-    """One source: each ProxyConfig field (but max_body_bytes, which has no flag) is a flag whose
-    default is the field's default and whose help is the field's doc. Negative control: with
-    settings.add_arguments giving every flag default=None, the default check fails."""
+    """One source: each ProxyConfig field is a flag whose default is the field's default and whose
+    help is the field's doc. Negative control: with settings.add_arguments giving every flag
+    default=None, the default check fails."""
     actions = {a.dest: a for a in _proxy_parser()._actions if a.option_strings and a.dest != "help"}
-    cli_fields = [f for f in settings.fields(P.ProxyConfig) if f.name != "max_body_bytes"]
+    cli_fields = list(settings.fields(P.ProxyConfig))
     assert sorted(actions) == sorted(f.name for f in cli_fields)
     for f in cli_fields:
         a = actions[f.name]
@@ -242,14 +242,15 @@ def test_every_proxy_setting_has_its_flag_default_and_help() -> None:
 
 
 def test_the_flags_are_the_ones_of_before() -> None:
-    """Every flag name of the hand-written parser this replaced, with the cli_types types."""
+    """Every flag name of the hand-written parser this replaced, with the cli_types types, and the
+    body limits added since (issue 16)."""
     from kvconnectors import cli_types
 
     actions = {a.option_strings[0]: a for a in _proxy_parser()._actions if a.option_strings}
     assert set(actions) == {"-h", "--prefill", "--decode", "--host", "--port", "--mode", "--connect-timeout",
                             "--prefill-timeout", "--decode-timeout", "--decode-idle-timeout", "--prefill-retries",
                             "--health-interval", "--health-timeout", "--unhealthy-after", "--max-connections",
-                            "--log-level", "--forward-kv-params"}
+                            "--log-level", "--forward-kv-params", "--max-body-bytes", "--max-inflight-body-bytes"}
     assert actions["--port"].type is cli_types.port_or_zero and actions["--log-level"].type is cli_types.log_level
     assert actions["--prefill-retries"].type is cli_types.non_negative_int
     assert actions["--log-level"].choices == cli_types.LOG_LEVELS and actions["--mode"].choices == ("pull", "push")

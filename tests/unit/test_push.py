@@ -439,7 +439,7 @@ def test_a_stalled_nixl_producer_holds_the_landing_side_for_a_bounded_time() -> 
                         first_block=0, num_blocks=BLOCKS, data_path="nixl", offsets=list(range(2 * BLOCKS)),
                         nixl_agent_meta=b"meta", nixl_base_address=1 << 20)
         conn = ConnectionState("producer")
-        landing._ensure_entry(msg, conn)
+        landing._claim(msg, conn)
         with pytest.raises(TransferError) as exc:
             with landing.paths["nixl"].receive(landing, None, msg, conn):
                 pass
@@ -453,3 +453,43 @@ def test_a_stalled_nixl_producer_holds_the_landing_side_for_a_bounded_time() -> 
     finally:
         landing.close()
         store.close()
+
+
+def test_a_group_larger_than_one_push_goes_as_several_block_ranges(pair) -> None:
+    """Each Push carries at most max_push_bytes (the landing side lends every Push a buffer from a
+    capped pool): a larger layer group is split by blocks, checksums sliced to match, and the last
+    part seals; it lands byte-exact and counts as one group pushed."""
+    pair.sender.max_push_bytes = 2 * 2 * SLOT  # 2 layers x 2 blocks: 3 parts per group of 6 blocks
+    data, sums = _stage_only(pair, "split", 7)
+    pair.sender.submit(PushJob("split", pair.target, [0, 1], 0, BLOCKS, _sums(sums, [0, 1])))
+    pair.sender.submit(PushJob("split", pair.target, [2, 3], 0, BLOCKS, _sums(sums, [2, 3]), end=True))
+    assert np.array_equal(landed(pair, "split"), data)
+    assert pair.sender.flush(5) and pair.done == {"split": None}
+    assert pair.sender.pushes == 2 and pair.sender.bytes_pushed == data.nbytes
+    assert pair.landing.counters["pushes"] == 6
+    # a wrong checksum in a later part fails the transfer there, typed
+    _, sums = _stage_only(pair, "split2", 8)
+    bad = _sums(sums, [0, 1])
+    bad[BLOCKS - 1] ^= 1  # layer 0, last block: the third part
+    pair.sender.submit(PushJob("split2", pair.target, [0, 1], 0, BLOCKS, bad))
+    assert pair.sender.flush(5)
+    assert pair.done["split2"].cause is FailureCause.CHECKSUM_MISMATCH and pair.done["split2"].refused
+    assert not pair.dst.contains("split2")
+
+
+def test_a_request_dropped_while_its_push_is_landing_frees_the_landing_copy(pair) -> None:
+    """The decode drops a request whose push is still landing (forget, then release, as the worker's
+    drop does): the partial landing copy goes now (only the landing side may end it while it is
+    landing), and the producer's next group is refused in step, so it keeps its copy."""
+    _, sums = _stage_only(pair, "dropped", 9)
+    pair.sender.submit(PushJob("dropped", pair.target, [0, 1], 0, BLOCKS, _sums(sums, [0, 1])))
+    assert pair.sender.flush(5) and pair.dst.contains("dropped")
+    pair.landing.forget("dropped")
+    try:
+        pair.dst.release("dropped")
+    except TransferError:
+        pass
+    assert not pair.dst.contains("dropped") and pair.dst.usage()["entries"] == 0
+    pair.sender.submit(PushJob("dropped", pair.target, [2, 3], 0, BLOCKS, _sums(sums, [2, 3]), end=True))
+    assert pair.sender.flush(5)
+    assert pair.done["dropped"].refused and pair.src.contains("dropped")
