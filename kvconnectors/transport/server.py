@@ -312,7 +312,10 @@ class StoreServer:
             session = self._handshake(sock, (accepted_at or time.monotonic()) + self.handshake_timeout_s)
             if session is None:
                 return
-            conn.session = session  # landing.py: the authenticated producer session of this connection
+            # landing.py binds the transfers a connection creates to conn.owner: the session's id (from
+            # the authenticated transcript under a secret, else random; unique per connection either way)
+            conn.session = session
+            conn.owner = ("session", session.id)
             self._authenticated(key)
             pending = False
             while True:
