@@ -294,7 +294,7 @@ class Landing:
         trailing = trailing_bytes(msg)
         rows = len(msg.layers) * msg.num_blocks
         try:
-            path = with_fault(self._check_shape(msg), fault)
+            path = with_fault(self._check_shape(msg, _authenticated(conn)), fault)
             path.check(self, msg, rows)
         except HungUp:
             hang_up(sock)  # a fault cut the connection before its data
@@ -430,10 +430,12 @@ class Landing:
         conn.open.clear()
 
     # ------------------------------------------------------------------ internals
-    def _check_shape(self, msg: wire.Push) -> PushPath:
-        """The path this push lands over, once its header is consistent (the path checks the rest)."""
+    def _check_shape(self, msg: wire.Push, authenticated: bool = True) -> PushPath:
+        """The path this push lands over, once its header is consistent (the path checks the rest);
+        an unauthenticated producer is not told our layout."""
         wire.check_transfer_id(msg.transfer_id)
-        wire.check_fingerprint(msg.fingerprint, self.fingerprint, peer="producer", us="consumer")
+        wire.check_fingerprint(msg.fingerprint, self.fingerprint, peer="producer", us="consumer",
+                               reveal=authenticated)
         if msg.num_layers != self.num_layers:
             raise TransferError(FailureCause.LAYOUT_MISMATCH,
                                 f"producer pushes {msg.num_layers} layers, this consumer has {self.num_layers}")
@@ -648,3 +650,9 @@ class Landing:
         for path in self.paths.values():
             path.close()
         self.receive_buffers.drop_free()
+
+
+def _authenticated(conn: ConnectionState) -> bool:
+    """Whether the connection's peer proved the secret (a server without one: nobody did)."""
+    session = getattr(conn, "session", None)
+    return bool(getattr(session, "authenticated", False))
