@@ -6,6 +6,7 @@
     kvconnectors bench proxy --requests 200
     kvconnectors bench layerwise --preset 8b --tokens 2000 --group 4
     kvconnectors bench device --device cuda --layout all
+    kvconnectors bench link --tokens 3000
 
 Each benchmark module also runs on its own: `python -m kvconnectors.benchmarks.transfer`,
 `python -m kvconnectors.benchmarks.tiers`, `python -m kvconnectors.benchmarks.layerwise`,
@@ -33,6 +34,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "layerwise": ("kvconnectors.benchmarks.layerwise",
                   "TTFT of a pushed prompt: prefill alone, bulk and layer-wise over emulated links; short-prompt "
                   "crossover."),
+    "link": ("kvconnectors.benchmarks.link",
+             "TTFT of a long prompt between emulated hosts on shaped links: colocated, pull, push bulk, push "
+             "layer-wise, NIXL, beside the planner's model; needs root."),
     "device": ("kvconnectors.benchmarks.device",
                "The mover's Stager/Loader on GPU-shaped caches beside plain index_select/index_copy_ (cuda or cpu); "
                "no vLLM."),

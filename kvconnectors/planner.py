@@ -261,10 +261,14 @@ def ttft_layerwise_s(model: ModelSpec, gpu: GPUSpec, link: LinkSpec, w: Workload
     """Two-stage pipeline over layer groups: the slower stage runs back to back, the faster one
     adds one group's worth (prefill + one group's transfer when the link keeps up)."""
     _check_group(model, w)
-    p = prefill_s(model, gpu, w.mfu, w.prompt_tokens)
-    x = transfer_s(model, link, w.prompt_tokens)
-    one_group = w.layer_group_size / model.layers
-    return max(p + x * one_group, x + p * one_group)
+    return pipelined_s(prefill_s(model, gpu, w.mfu, w.prompt_tokens), transfer_s(model, link, w.prompt_tokens),
+                       w.layer_group_size / model.layers)
+
+
+def pipelined_s(prefill: float, transfer: float, one_group: float) -> float:
+    """Prefill and transfer pipelined over layer groups (`one_group`: a group's share of the
+    layers): the slower stage back to back plus one group of the faster one."""
+    return max(prefill + transfer * one_group, transfer + prefill * one_group)
 
 
 def _check_group(model: ModelSpec, w: Workload) -> None:
