@@ -68,7 +68,7 @@ def colocated(tiny_model, prompts) -> list[list[int]]:
 
 def cluster(tiny_model, hosts, secret, policy: str, tmp_path) -> PDCluster:
     kv = {"kv_load_failure_policy": policy,
-          "kv_connector_extra_config": {"lease_ttl_s": 4, "connect_timeout_s": 2, "load_timeout_s": LOAD_TIMEOUT_S,
+          "kv_connector_extra_config": {"lease_ttl_s": 6, "connect_timeout_s": 2, "load_timeout_s": LOAD_TIMEOUT_S,
                                         "retries": 1, "retry_backoff_s": 0.2}}
     pd = PDCluster(tiny_model, kv_extra=kv, log_dir=tmp_path, hosts=hosts, placement=PLACEMENT,
                    vllm_args="--max-model-len 2048")
@@ -159,7 +159,7 @@ def test_fail_and_retry_policies_on_a_real_link(tiny_model, hosts, secret, promp
                     hosts.link("pre", up=True)
                 assert isinstance(out, str) and ("[peer_unreachable]" in out or "[timeout]" in out), \
                     f"{policy}, producer unreachable: {out}"
-            time.sleep(5)  # the two unreachable entries were never pulled: their leases end them
+            time.sleep(7)  # the two unreachable entries were never pulled: their leases end them
             idle(pd, secret)
             # ... and once the link is back the pair serves correctly again
             assert decode(pd, short, ticket(pd, short)) == colocated[2]
@@ -185,13 +185,13 @@ def test_recompute_answers_through_faults_and_a_killed_decode_leaks_nothing(tiny
                 hosts.link("pre", up=True)
             assert out == colocated[2], f"recompute with the producer unreachable: {out}"
             assert set(failures(pd)) <= {"timeout", "peer_unreachable"} and sum(failures(pd).values()) == 2
-            time.sleep(5)  # the unreachable entry's lease ends it
+            time.sleep(7)  # the unreachable entry's lease ends it
             idle(pd, secret)
             # the decode host's processes die mid-transfer: the producer lets go by itself
             t = ticket(pd, long_prompt)
             out = during(lambda: os.killpg(os.getpgid(pd.decode[0].pid), signal.SIGKILL), 0.4, pd, long_prompt, t)
             assert isinstance(out, str), "the killed decode answered"
-            time.sleep(5)  # lease_ttl_s=4 and nobody renews it
+            time.sleep(7)  # lease_ttl_s=6 and nobody renews it
             with pd.inside_client():
                 assert_pd_idle(pd, secret=secret, timeout=30, producer_alive=True, consumer_alive=False)
         finally:
