@@ -39,3 +39,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from kvconnectors.testing.skips import install
 
     install(session.config, Path(__file__).with_name("allowed_skips.txt"))
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """Three emulated hosts (kvconnectors/testing/hosts.py), one set per module: `pre` (prefill),
+    `dec` (decode), `cli` (proxy and client). Without CAP_NET_ADMIN: a skip, which
+    tests/allowed_skips.txt does not list, so a CI without it fails loudly."""
+    from kvconnectors.testing.hosts import Hosts, HostsUnavailable, require
+
+    try:
+        require()
+    except HostsUnavailable as exc:
+        pytest.skip(f"emulated hosts unavailable: {exc}")
+    with Hosts(["pre", "dec", "cli"]) as h:
+        yield h

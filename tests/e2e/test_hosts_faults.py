@@ -25,7 +25,7 @@ import pytest
 from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import post_json
 from kvconnectors.testing.engines import generate_ids, llm_engine
-from kvconnectors.testing.hosts import Hosts, HostsUnavailable, require
+from kvconnectors.testing.hosts import Hosts
 from kvconnectors.testing.leaks import assert_pd_idle
 from kvconnectors.testing.prompts import token_prompts
 
@@ -38,16 +38,6 @@ LONG = 1800          # tokens: ~1.8 MB of the tiny model's KV, ~1.5 s over LINK
 LINK = "10mbit"
 COLLAPSED = "16kbit"
 LOAD_TIMEOUT_S = 8
-
-
-@pytest.fixture(scope="module")
-def hosts():
-    try:
-        require()
-    except HostsUnavailable as exc:  # not in tests/allowed_skips.txt: a CI without it fails loudly
-        pytest.skip(f"emulated hosts unavailable: {exc}")
-    with Hosts(["pre", "dec", "cli"]) as h:
-        yield h
 
 
 @pytest.fixture(scope="module")

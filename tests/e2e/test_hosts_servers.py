@@ -16,7 +16,6 @@ from kvconnectors.serving import complete
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
-from kvconnectors.testing.hosts import Hosts, HostsUnavailable, require
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
@@ -27,17 +26,6 @@ MAX_TOKENS = 8
 CONTROL_LENGTHS = control_lengths(BLOCK)
 PLACEMENT = {"prefill": "pre", "decode": "dec", "proxy": "cli"}
 LINK = "400mbit"   # prefill -> anyone
-
-
-@pytest.fixture(scope="module")
-def hosts():
-    try:
-        require()
-    except HostsUnavailable as exc:  # not in tests/allowed_skips.txt: a CI without it fails loudly
-        pytest.skip(f"emulated hosts unavailable: {exc}")
-    with Hosts(["pre", "dec", "cli"]) as h:
-        h.shape("pre", egress=LINK)
-        yield h
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +67,7 @@ def test_pd_across_hosts_equals_colocated(tiny_model, hosts, secret_file, prompt
                                           tmp_path) -> None:
     kv = {"kv_connector_extra_config": {"secret_file": secret_file, "test_hooks": True}}
     clean, control = prompts[:len(LENGTHS)], prompts[len(LENGTHS):]
+    hosts.shape("pre", egress=LINK)
     sent_before = hosts.tx_bytes("pre")
     with PDCluster(tiny_model, transport=transport, mode=mode, kv_extra=kv, log_dir=tmp_path,
                    proxy_args=["--forward-kv-params", "kvc_fault"], hosts=hosts, placement=PLACEMENT) as pd:

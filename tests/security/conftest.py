@@ -4,13 +4,12 @@ that dies unanswered is a finding, not noise)."""
 
 from __future__ import annotations
 
-import logging
 import resource
 import threading
 
 import pytest
 
-from kvconnectors import logs
+from kvconnectors.testing.logcapture import plain_logging
 from kvconnectors.store import StoreConfig, TieredStore
 
 from sec_helpers import COMPAT, FP, LAYERS, SLOT  # noqa: E402
@@ -57,20 +56,7 @@ def many_files():
 
 @pytest.fixture(autouse=True)
 def plain_kvconnectors_logging():
-    """caplog reads kvconnectors records on the root logger (an engine test earlier in the process
-    may have routed them through vLLM's logger: lifted here, put back after)."""
-    root = logging.getLogger(logs.ROOT)
-    bridges = [h for h in root.handlers if isinstance(h, logs.ToVllm)]
-    level, propagate = root.level, root.propagate
-    for handler in bridges:
-        root.removeHandler(handler)
-    if bridges:
-        root.setLevel(logging.NOTSET)
-        root.propagate = True
-    try:
+    """caplog reads kvconnectors records on the root logger (testing/logcapture.py)."""
+    with plain_logging():
         yield
-    finally:
-        for handler in bridges:
-            root.addHandler(handler)
-        root.setLevel(level)
-        root.propagate = propagate
+

@@ -2,35 +2,16 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
-from kvconnectors import logs
+from kvconnectors.testing.logcapture import plain_logging
 
 
 @pytest.fixture(autouse=True)
 def plain_kvconnectors_logging():
-    """Unit tests read kvconnectors records with caplog, on the root logger. An engine test earlier in
-    this process may have routed them through vLLM's logger (logs.use_vllm_logging, run when vLLM loads
-    the plugin or imports the connector): lifted for each unit test, put back after it."""
-    root = logging.getLogger(logs.ROOT)
-    bridges = [h for h in root.handlers if isinstance(h, logs.ToVllm)]
-    if not bridges:
+    """Unit tests read kvconnectors records with caplog, on the root logger (testing/logcapture.py)."""
+    with plain_logging():
         yield
-        return
-    level, propagate = root.level, root.propagate
-    for handler in bridges:
-        root.removeHandler(handler)
-    root.setLevel(logging.NOTSET)
-    root.propagate = True
-    try:
-        yield
-    finally:
-        for handler in bridges:
-            root.addHandler(handler)
-        root.setLevel(level)
-        root.propagate = propagate
 
 
 @pytest.fixture(autouse=True)

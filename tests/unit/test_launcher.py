@@ -19,25 +19,14 @@ import psutil
 import pytest
 
 from kvconnectors.integration import launcher as L
+
+from launcher_kit import counter, parse  # noqa: E402
 from kvconnectors.serving import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "integration" / "configs"
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    L.add_arguments(parser)
-    return parser.parse_args(["--model", "/models/tiny", *argv])
-
-
-def counter(start: int = 20000):
-    state = {"n": start}
-
-    def nxt() -> int:
-        state["n"] += 1
-        return state["n"]
-    return nxt
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ import pytest
 from kvconnectors import serving
 from kvconnectors.integration import launcher as L
 
+from launcher_kit import counter, parse  # noqa: E402
+
 # conftest.py's autouse fixture replaces the detection with "no CUDA" for every unit test; the real
 # one is taken here, at collection, before any fixture runs.
 REAL_CUDA_DEVICE_COUNT = L.cuda_device_count
@@ -24,19 +26,6 @@ CPU_ONLY_ARGS = ("--dtype", "--kv-cache-memory-bytes", "--enforce-eager", "--blo
 CPU_ONLY_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "UCX_MODULES", "UCX_NET_DEVICES")
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    L.add_arguments(parser)
-    return parser.parse_args(["--model", "/models/tiny", *argv])
-
-
-def counter(start: int = 20000):
-    state = {"n": start}
-
-    def nxt() -> int:
-        state["n"] += 1
-        return state["n"]
-    return nxt
 
 
 def block_counter(start: int = 30000):
