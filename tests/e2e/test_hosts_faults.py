@@ -37,7 +37,7 @@ NIXL_STYLE = {"do_remote_decode": True, "do_remote_prefill": False}
 LONG = 1800          # tokens: ~1.8 MB of the tiny model's KV, ~1.5 s over LINK
 LINK = "10mbit"
 COLLAPSED = "16kbit"
-LOAD_TIMEOUT_S = 8
+LOAD_TIMEOUT_S = 6
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,14 @@ the prefill host's link, and a negative control on the same servers changes toke
 
 from __future__ import annotations
 
+import copy
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvconnectors.integration.cluster import PDCluster
+from kvconnectors.integration import launcher
+from kvconnectors.integration.cluster import PDCluster, ProxyThread
 from kvconnectors.serving import complete
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
@@ -26,6 +28,7 @@ MAX_TOKENS = 8
 CONTROL_LENGTHS = control_lengths(BLOCK)
 PLACEMENT = {"prefill": "pre", "decode": "dec", "proxy": "cli"}
 LINK = "400mbit"   # prefill -> anyone
+FORWARD_FAULT = ["--forward-kv-params", "kvc_fault"]
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +50,11 @@ def colocated(tiny_model: str, prompts: list[list[int]]) -> list[list[int]]:
         return generate_ids(llm, prompts, MAX_TOKENS)
 
 
-def run(pd: PDCluster, prompts: list[list[int]], **extra) -> list[dict]:
+def run(pd: PDCluster, prompts: list[list[int]], url: str, **extra) -> list[dict]:
     name = pd.prefill[0].served_model_name
     with pd.inside_client(), ThreadPoolExecutor(4) as pool:  # the pool's threads start on the client host
-        return list(pool.map(lambda p: complete(pd.proxy_url, p, model=name, max_tokens=MAX_TOKENS,
-                                                timeout=120, **extra), prompts))
+        return list(pool.map(lambda p: complete(url, p, model=name, max_tokens=MAX_TOKENS, timeout=120, **extra),
+                             prompts))
 
 
 def tokens(outs: list[dict]) -> list[list[int]]:
@@ -62,28 +65,47 @@ def total(metrics: dict, name: str) -> float:
     return sum(v for _, v in metrics.get(name, []))
 
 
-@pytest.mark.parametrize("transport, mode", [("tcp", "pull"), ("tcp", "push"), ("nixl", "pull"), ("nixl", "push")])
-def test_pd_across_hosts_equals_colocated(tiny_model, hosts, secret_file, prompts, colocated, transport, mode,
+def pull_proxy(pd: PDCluster) -> ProxyThread:
+    """A second proxy, in pull mode, on the same servers: a push-mode instance serves a request that
+    names no push target by pull (scheduler._push_target), so one pair proves both modes."""
+    args = copy.copy(pd.args)
+    args.mode, args.proxy_port = "pull", 0
+    with pd.inside_client():
+        return ProxyThread(launcher.proxy_config(pd.plans, args, FORWARD_FAULT)).start()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_pd_across_hosts_equals_colocated(tiny_model, hosts, secret_file, prompts, colocated, transport,
                                           tmp_path) -> None:
+    """Pull (through a pull-mode proxy) and push (the cluster's push-mode proxy) on one pair."""
     kv = {"kv_connector_extra_config": {"secret_file": secret_file, "test_hooks": True}}
     clean, control = prompts[:len(LENGTHS)], prompts[len(LENGTHS):]
     hosts.shape("pre", egress=LINK)
     sent_before = hosts.tx_bytes("pre")
-    with PDCluster(tiny_model, transport=transport, mode=mode, kv_extra=kv, log_dir=tmp_path,
-                   proxy_args=["--forward-kv-params", "kvc_fault"], hosts=hosts, placement=PLACEMENT) as pd:
+    with PDCluster(tiny_model, transport=transport, mode="push", kv_extra=kv, log_dir=tmp_path,
+                   proxy_args=FORWARD_FAULT, hosts=hosts, placement=PLACEMENT) as pd:
         assert pd.prefill[0].host == hosts.address("pre") and pd.decode[0].host == hosts.address("dec")
-        assert_same_tokens(colocated[:len(clean)], tokens(run(pd, clean)))
-        bad = run(pd, control, kv_transfer_params={"kvc_fault": "corrupt"})
-        assert_control_changed(colocated[len(clean):], tokens(bad), [r["choices"][0]["finish_reason"] for r in bad],
-                               CONTROL_LENGTHS, what=f"corrupted {transport} {mode} transfers across hosts")
-        run(pd, clean[:1])  # one more step reports the last interval's stats
+        puller = pull_proxy(pd)
+        try:
+            for mode, url in (("pull", puller.url), ("push", pd.proxy_url)):
+                assert_same_tokens(colocated[:len(clean)], tokens(run(pd, clean, url)), f"{transport} {mode}")
+                bad = run(pd, control, url, kv_transfer_params={"kvc_fault": "corrupt"})
+                assert_control_changed(colocated[len(clean):], tokens(bad),
+                                       [r["choices"][0]["finish_reason"] for r in bad], CONTROL_LENGTHS,
+                                       what=f"corrupted {transport} {mode} transfers across hosts")
+        finally:
+            with pd.inside_client():
+                puller.stop()
+        run(pd, clean[:1], pd.proxy_url)  # one more step reports the last interval's stats
         with hosts.inside("dec"):
             d = pd.decode[0].metrics()
         with hosts.inside("pre"):
             p = pd.prefill[0].metrics()
-    # pulled (decode) or pushed (prefill) bytes: the KV that had to cross the prefill host's link
-    moved = max(total(d, "kvconnectors:transfer_bytes_total"), total(p, "kvconnectors:pushed_bytes_total"))
-    assert moved > 0, "no KV bytes were counted"
+    pulled = total(d, "kvconnectors:transfer_bytes_total")
+    pushed = total(p, "kvconnectors:pushed_bytes_total")
+    assert pulled > 0 and pushed > 0, f"pulled {pulled} B, pushed {pushed} B: both modes must have moved KV"
     crossed = hosts.tx_bytes("pre") - sent_before
+    # pushed bytes land in the decode's store and count as its loads too: the larger is a lower bound
+    moved = max(pulled, pushed)
     assert crossed >= moved, f"{crossed} B left the prefill host, fewer than the {moved:.0f} B of KV moved"
     assert total(p, "kvconnectors:store_entries") == 0, "the producer's store still holds entries"
