@@ -121,9 +121,11 @@ def test_fail_and_retry_policies_on_a_real_link(tiny_model, hosts, secret, promp
         hosts.shape("pre", egress=LINK)
         try:
             # 1. the cable is out for 1 s mid-transfer and back: TCP retransmits, the load completes
-            out = during(lambda: flap(hosts, 1.0), 0.4, pd, long_prompt, ticket(pd, long_prompt))
-            assert out == colocated[0], f"after a 1 s link outage mid-transfer: {out}"
-            time.sleep(1.0)  # the link is back
+            for policy in ("fail", "retry"):
+                out = during(lambda: flap(hosts, 1.0), 0.4, pd, long_prompt, ticket(pd, long_prompt),
+                             failure_policy=policy)
+                assert out == colocated[0], f"{policy}, after a 1 s link outage mid-transfer: {out}"
+                time.sleep(1.0)  # the link is back
             # 2. the rate collapses mid-transfer: the deadline fires, typed; retry runs out of time too
             for policy in ("fail", "retry"):
                 out = during(lambda: hosts.shape("pre", egress=COLLAPSED), 0.4, pd, long_prompt,
@@ -154,6 +156,13 @@ def test_fail_and_retry_policies_on_a_real_link(tiny_model, hosts, secret, promp
             # ... and once the link is back the pair serves correctly again
             assert decode(pd, short, ticket(pd, short)) == colocated[2]
             idle(pd, secret)
+            # 4. the decode host's processes die mid-transfer: the producer lets go by itself
+            t = ticket(pd, long_prompt)
+            out = during(lambda: os.killpg(os.getpgid(pd.decode[0].pid), signal.SIGKILL), 0.4, pd, long_prompt, t)
+            assert isinstance(out, str), "the killed decode answered"
+            time.sleep(7)  # lease_ttl_s=6 and nobody renews it
+            with pd.inside_client():
+                assert_pd_idle(pd, secret=secret, timeout=30, producer_alive=True, consumer_alive=False)
         finally:
             hosts.unshape("pre")
 
@@ -164,6 +173,9 @@ def test_recompute_answers_through_faults_and_a_killed_decode_leaks_nothing(tiny
     with cluster(tiny_model, hosts, secret, "recompute", tmp_path) as pd:
         hosts.shape("pre", egress=LINK)
         try:
+            out = during(lambda: flap(hosts, 1.0), 0.4, pd, long_prompt, ticket(pd, long_prompt))
+            assert out == colocated[0], f"recompute, after a 1 s link outage mid-transfer: {out}"
+            time.sleep(1.0)  # the link is back
             out = during(lambda: hosts.shape("pre", egress=COLLAPSED), 0.4, pd, long_prompt, ticket(pd, long_prompt))
             hosts.shape("pre", egress=LINK)
             assert out == colocated[0], f"recompute after the rate collapsed: {out}"
