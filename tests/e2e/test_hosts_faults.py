@@ -110,6 +110,16 @@ def idle(pd: PDCluster, secret: bytes, producer_alive: bool = True) -> None:
         assert_pd_idle(pd, producer_alive=producer_alive, secret=secret, timeout=30)
 
 
+def kill_decode_mid_transfer(pd: PDCluster, prompt: list[int], secret: bytes) -> None:
+    """SIGKILL the decode's processes while it pulls `prompt`: the producer lets go by itself (lease)."""
+    t = ticket(pd, prompt)
+    out = during(lambda: os.killpg(os.getpgid(pd.decode[0].pid), signal.SIGKILL), 0.4, pd, prompt, t)
+    assert isinstance(out, str), "the killed decode answered"
+    time.sleep(7)  # lease_ttl_s=6 and nobody renews it
+    with pd.inside_client():
+        assert_pd_idle(pd, secret=secret, timeout=30, producer_alive=True, consumer_alive=False)
+
+
 def flap(hosts: Hosts, seconds: float) -> None:
     hosts.link("pre", up=False)
     threading.Timer(seconds, hosts.link, args=("pre",), kwargs={"up": True}).start()
@@ -156,13 +166,8 @@ def test_fail_and_retry_policies_on_a_real_link(tiny_model, hosts, secret, promp
             # ... and once the link is back the pair serves correctly again
             assert decode(pd, short, ticket(pd, short)) == colocated[2]
             idle(pd, secret)
-            # 4. the decode host's processes die mid-transfer: the producer lets go by itself
-            t = ticket(pd, long_prompt)
-            out = during(lambda: os.killpg(os.getpgid(pd.decode[0].pid), signal.SIGKILL), 0.4, pd, long_prompt, t)
-            assert isinstance(out, str), "the killed decode answered"
-            time.sleep(7)  # lease_ttl_s=6 and nobody renews it
-            with pd.inside_client():
-                assert_pd_idle(pd, secret=secret, timeout=30, producer_alive=True, consumer_alive=False)
+            # 4. the decode host's processes die mid-transfer
+            kill_decode_mid_transfer(pd, long_prompt, secret)
         finally:
             hosts.unshape("pre")
 
@@ -189,12 +194,6 @@ def test_recompute_answers_through_faults_and_a_killed_decode_leaks_nothing(tiny
             assert set(failures(pd)) <= {"timeout", "peer_unreachable"} and sum(failures(pd).values()) == 2
             time.sleep(7)  # the unreachable entry's lease ends it
             idle(pd, secret)
-            # the decode host's processes die mid-transfer: the producer lets go by itself
-            t = ticket(pd, long_prompt)
-            out = during(lambda: os.killpg(os.getpgid(pd.decode[0].pid), signal.SIGKILL), 0.4, pd, long_prompt, t)
-            assert isinstance(out, str), "the killed decode answered"
-            time.sleep(7)  # lease_ttl_s=6 and nobody renews it
-            with pd.inside_client():
-                assert_pd_idle(pd, secret=secret, timeout=30, producer_alive=True, consumer_alive=False)
+            kill_decode_mid_transfer(pd, long_prompt, secret)
         finally:
             hosts.unshape("pre")
