@@ -218,7 +218,13 @@ class TieredConnectorWorker:
                     self._set_push_target(tid, spec.push_target)
             # one batched gather per layer, straight into the entry's slots, then checksums
             copy = self.stager.stage(tid, layers, spec.first_block, spec.block_ids, after)
-            sums = self.stager.complete(copy, self.config.load_timeout_s)
+            try:
+                sums = self.stager.complete(copy, self.config.load_timeout_s)
+            except TimeoutError:
+                # complete() keeps the slots held while the copy still runs: give them back once it
+                # is done, or the entry's write reference never ends and its slots never free
+                self.stager.abandon(copy)
+                raise
         except TransferError as exc:
             self._fail_staging(tid, exc)
             return
