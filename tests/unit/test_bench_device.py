@@ -49,7 +49,7 @@ def test_quick_cpu_run_is_verified_and_vllm_free(tmp_path):
         x = result["layouts"][name]
         assert x["geometry"]["block_bytes"] == 8 * 16 * 256 * 2 and x["bytes_per_transfer"] == 4 * 8 * 65536
         assert x["verified"]["ok"] and x["verified"]["checksummed_rows"] == 32
-        for path in ("stage", "gather", "load", "scatter"):
+        for path in ("stage", "stage_raw", "gather", "load", "scatter"):
             s = x["paths"][path]
             assert s["iterations"] == 2 and s["gbps_median"] > 0, (name, path)
         assert x["ratios"]["stage_vs_gather"] > 0 and x["ratios"]["load_vs_scatter"] > 0

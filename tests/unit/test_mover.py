@@ -440,6 +440,78 @@ def test_a_timed_out_complete_keeps_the_slots_until_the_copy_is_done():
         assert [int(x) for x in sums.reshape(-1)] == [xxhash.xxh3_64_intdigest(r) for r in out]
 
 
+class LayerGatedOps(CpuOps):
+    """Each layer's gather waits for its own gate: the test lets the copy stream go layer by layer."""
+
+    def __init__(self, layers: int):
+        super().__init__()
+        self.gates = [threading.Event() for _ in range(layers)]
+        self.calls = 0
+
+    def gather(self, src, ids, out, dim=0):
+        gate = self.gates[self.calls]
+        self.calls += 1
+        assert gate.wait(20)
+        super().gather(src, ids, out, dim)
+
+
+def test_complete_checksums_each_layer_while_later_layers_are_still_copying(monkeypatch):
+    """The checksum pass runs beside the copy stream: layer 0's rows are hashed while layer 1 has not
+    been copied yet (a complete() that waited for the whole copy first would hash nothing here)."""
+    import kvconnectors.mover.stager as stager_mod
+
+    src, dst, gs, gd = _geoms()
+    ops = LayerGatedOps(L)
+    hashed: list[int] = []
+    real = stager_mod.xxhash.xxh3_64_intdigest
+
+    class CountingXXHash:
+        @staticmethod
+        def xxh3_64_intdigest(row):
+            hashed.append(1)
+            return real(row)
+    monkeypatch.setattr(stager_mod, "xxhash", CountingXXHash)
+    with store_for(gs.block_bytes) as store:
+        stager = Stager(gs, store, ops)
+        store.create("t", L, 2)
+        copy = stager.stage("t", range(L), 0, [5, 1])
+        ops.gates[0].set()
+        with pytest.raises(TimeoutError):  # layer 1 cannot be copied: complete() stops there...
+            stager.complete(copy, timeout_s=0.3)
+        assert len(hashed) == 2, f"{len(hashed)} rows hashed while only layer 0 (2 rows) was copied"
+        for gate in ops.gates:
+            gate.set()
+        sums = stager.complete(copy, timeout_s=10)  # ...and goes on from layer 1, not from the start
+        assert len(hashed) == 2 * L
+        store.seal("t")
+        rows = np.empty((L * 2, gs.block_bytes), np.uint8)
+        store.read_into("t", list(range(L)), 0, rows)
+        assert [int(x) for x in sums.reshape(-1)] == [real(r) for r in rows]
+
+
+def test_a_failed_layer_copy_gives_every_slot_back_once_the_stream_is_done():
+    src, dst, gs, gd = _geoms()
+
+    class FailingOps(CpuOps):
+        calls = 0
+
+        def gather(self, src, ids, out, dim=0):
+            FailingOps.calls += 1
+            if FailingOps.calls == 2:
+                raise RuntimeError("device error on layer 1")
+            super().gather(src, ids, out, dim)
+    with store_for(gs.block_bytes, dram_slots=2 * L) as store:
+        stager = Stager(gs, store, FailingOps())
+        store.create("t", L, 2)
+        copy = stager.stage("t", range(L), 0, [5, 1])
+        with pytest.raises(RuntimeError, match="layer 1"):
+            stager.complete(copy, timeout_s=10)
+        assert all(e.done() for e in copy.layer_events)
+        store.release("t")
+        store.create("u", L, 2)  # the whole arena is free again: a second entry of the same size fits
+        store.write("u", list(range(L)), 0, np.zeros((2 * L, gs.block_bytes), np.uint8))
+
+
 # ============================================================================ 6. layouts on GPU shapes
 GPU = dict(num_layers=32, num_blocks=1000, heads=8, block_size=16, content=256, dtype=torch.bfloat16, device="meta")
 PAGE = 8 * 16 * 256 * 2  # 64 KiB: one (layer, block) of an 8B-class model
