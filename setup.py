@@ -31,6 +31,7 @@ CORE = [
     "prometheus_client>=0.20",
     "tqdm>=4.66",           # progress bars of the workload and the benchmarks
     "psutil>=5.9",          # VllmServer's process-tree handling, CPU measurements
+    "cryptography>=47",     # wire_protection "aead": AES-256-GCM records (47 added AESGCM.encrypt_into/decrypt_into)
 ]
 
 EXTRAS = {

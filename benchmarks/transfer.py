@@ -7,6 +7,8 @@
                         buffer: the ceiling for our tcp
   ours     tcp          StoreClient.read(path=TCP_PULL) from a producer's TieredStore served by
                         StoreServer, into the KV-cache blocks, then Release (what worker.py does)
+           tcp_aead     tcp with wire_protection "aead": every frame and KV byte sealed (AES-256-GCM,
+                        transport/sealed.py), shared secret on both sides; its cost is tcp_aead / tcp
            shm          the same with path=SHM_PULL (store arena in /dev/shm, one copy)
            nixl         the same with path=NixlPull(sink) (consumer NixlSink READs the producer arena)
   engines  nixl_direct  NIXL UCX agent-to-agent READ of the same layout, descriptor lists prepared
@@ -65,6 +67,8 @@ from kvconnectors.transport.nixl_bench import transfer_and_poll  # noqa: E402  (
 
 FP = "kvc-bench-transfer"
 COMPAT_TAG = "bench-transfer"
+BENCH_SECRET = b"kvconnectors-bench-transfer-loopback"  # tcp_aead only; both processes on 127.0.0.1
+SEALED = {"tcp_aead"}  # paths run with wire_protection "aead" (and the secret)
 TIMEOUT_S = 120.0
 MOONCAKE_INSTALL = "pip install mooncake-transfer-engine-non-cuda (and apt-get install libibverbs1)"
 
@@ -113,13 +117,14 @@ PATHS: dict[str, PathInfo] = {
     "gather": PathInfo("limit", "slots -> non-contiguous KV blocks (fancy-index copy), 1 thread", False),
     "socket": PathInfo("limit", "raw TCP loopback, 2 processes, sendall / recv_into", True),
     "tcp": PathInfo("ours", "StoreServer -> StoreClient.read, data_path inline", True),
+    "tcp_aead": PathInfo("ours", "tcp with wire_protection aead (every frame and KV byte AES-256-GCM sealed)", True),
     "shm": PathInfo("ours", "StoreServer -> StoreClient.read, data_path shm", True),
     "nixl": PathInfo("ours", "StoreServer -> StoreClient.read, data_path nixl (NixlSink)", True, "nixl"),
     "nixl_direct": PathInfo("engine", "NIXL UCX READ agent-to-agent, prepped dlists", True, "nixl"),
     "mooncake": PathInfo("engine", "Mooncake TransferEngine tcp, P2PHANDSHAKE, sync batch read", True,
                          "mooncake"),
 }
-COMPARISONS = (("tcp", "socket", 0.8), ("shm", "memcpy", 0.5), ("nixl", "nixl_direct", 0.9))
+COMPARISONS = (("tcp", "socket", 0.8), ("tcp_aead", "tcp", 0.5), ("shm", "memcpy", 0.5), ("nixl", "nixl_direct", 0.9))
 KIND_COLOR = {"limit": "#9e9e9e", "ours": "#1f77b4", "engine": "#ff7f0e"}
 
 
@@ -222,7 +227,8 @@ def _producer_main(conn: Any, geom_d: dict, paths: list[str], checksum: bool, se
                                                     instance_name=f"bench_{p}", shm_name=shm, lease_ttl_s=600))
                     try:
                         server = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=geom.num_layers,
-                                             compat=compat, nixl=p == "nixl")
+                                             compat=compat, nixl=p == "nixl",
+                                             **({"secret": BENCH_SECRET, "protection": "aead"} if p in SEALED else {}))
                     except BaseException:
                         store.close()
                         raise
@@ -531,13 +537,14 @@ class Consumer:
         key = f"{path}-{self.seq}"
         stage_s = self.producer.stage(path, key)  # off the clock
         self.extra.setdefault(path, {}).setdefault("stage_s", []).append(stage_s)
-        data_path = {"tcp": TCP_PULL, "shm": SHM_PULL, "nixl": NixlPull(sink=self.sink)}[path]
+        data_path = {"tcp": TCP_PULL, "tcp_aead": TCP_PULL, "shm": SHM_PULL, "nixl": NixlPull(sink=self.sink)}[path]
+        sealed = {"secret": BENCH_SECRET, "protection": "aead"} if path in SEALED else {}
         port = self.producer.info[f"port_{path}"]
         t0 = time.perf_counter()
         # == TieredConnectorWorker._pull_into_cache: views of the target blocks, one client per pull
         deadline = time.monotonic() + TIMEOUT_S
         dest = [memoryview(self.kv[layer][b]) for layer in range(g.num_layers) for b in self.targets_list]
-        with StoreClient("127.0.0.1", port, compat=self.compat, peer_name="bench") as client:
+        with StoreClient("127.0.0.1", port, compat=self.compat, peer_name="bench", **sealed) as client:
             nbytes = client.read(key, range(g.num_layers), 0, dest, fingerprint=FP, deadline=deadline,
                                  verify=self.checksum, path=data_path)
             if data_path.streams:
@@ -549,6 +556,9 @@ class Consumer:
 
     def run_tcp(self) -> float:
         return self._run_ours("tcp")
+
+    def run_tcp_aead(self) -> float:
+        return self._run_ours("tcp_aead")
 
     def run_shm(self) -> float:
         return self._run_ours("shm")

@@ -28,6 +28,7 @@ Transport = Literal["tcp", "shm", "nixl"]
 TransferMode = Literal["pull", "push"]
 FailurePolicy = Literal["fail", "recompute", "retry"]
 Piecewise = Literal["auto", "on", "off"]
+WireProtection = Literal["handshake", "aead"]  # transport/wire.py PROTECTIONS
 TRANSPORTS: tuple[str, ...] = typing.get_args(Transport)
 TRANSFER_MODES: tuple[str, ...] = typing.get_args(TransferMode)
 FAILURE_POLICIES: tuple[str, ...] = typing.get_args(FailurePolicy)
@@ -64,6 +65,9 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         "CIDRs a ticket's producer addresses and a push_target must fall in; default: loopback and this "
         "host's own interface subnets")] = None
     allow_insecure: Annotated[bool, _doc("permit a wildcard bind_host without a shared secret")] = False
+    wire_protection: Annotated[WireProtection, _doc(
+        "handshake: the secret authenticates the handshake only; aead: every frame and KV byte after it is "
+        "sealed (AES-256-GCM; needs the secret, v4 peers with the same setting, transport tcp or shm)")] = "handshake"
     allow_previous_wire: Annotated[bool, _doc(
         "admit peers of the previous wire version (rolling upgrades: one-way auth, no transfer tokens); "
         "set false once the whole pool is upgraded")] = True
@@ -97,6 +101,7 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
             parse_networks(self.allowed_peers)
         self._check_exposure()  # any transport: a wildcard bind needs a secret or allow_insecure
         _nixl_needs_secret(self.transport, self.bind_host, self.secret_file)  # nixl: any non-loopback bind
+        self._check_protection()
         if self.heartbeat_interval_s is None:
             self.heartbeat_interval_s = self.lease_ttl_s / 3
         if self.heartbeat_interval_s >= self.lease_ttl_s:
@@ -125,6 +130,23 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
                 "set allow_insecure: true if the network itself is trusted"))
         logger.warning("TieredConnector: bind_host %r without a shared secret (allow_insecure is set): the store "
                        "server serves any host that can reach it", self.bind_host)
+
+    def _check_protection(self) -> None:
+        """aead seals the connection with keys from the authenticated handshake: it needs the secret,
+        and a data path on that connection (tcp) or on this host (shm); NIXL moves bytes itself."""
+        if self.wire_protection != "aead":
+            return
+        from kvconnectors.transport.auth import SECRET_ENV  # noqa: PLC0415 - config stays light to import
+
+        if not (self.secret_file or os.environ.get(SECRET_ENV)):
+            raise ConfigError("wire_protection", self.wire_protection, (
+                f"needs the shared secret (secret_file or {SECRET_ENV}): the sealing keys come from the handshake "
+                "it authenticates"))
+        if self.transport == "nixl":
+            raise ConfigError("wire_protection", self.wire_protection, (
+                "cannot seal transport 'nixl': NIXL moves the KV bytes itself, outside the sealed connection; use "
+                "transport 'tcp' across hosts (or 'shm' on one host) with aead, or wire_protection 'handshake' "
+                "on a trusted network"))
 
     @property
     def compat(self) -> str | dict[int, str]:

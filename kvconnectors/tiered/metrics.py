@@ -105,6 +105,8 @@ STATUS_GAUGES: tuple[Metric, ...] = tuple(
         ("connections", "active_connections", "open connections to the store server (pulls, pushes, renewals)"),
         ("auth_failures", "auth_failures", "handshakes that failed the shared-secret proof since the server started "
          "(a count, growing; logged at most once per 10 s)"),
+        ("integrity_failures", "integrity_failures", "sealed records (wire_protection aead) that failed their "
+         "integrity tag since the server started; each closed its connection (a count, growing)"),
     ))
 
 # Not a field: whether every rank answered this scrape's status call.

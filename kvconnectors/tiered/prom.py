@@ -48,9 +48,11 @@ LOG_EVERY_S = 60.0       # an unreachable rank is logged at most this often
 class StoreCollector:
     """Scrape-time state of the store servers of each engine, summed over its TP ranks."""
 
-    def __init__(self, labelnames: list[str], secret: bytes | None, timeout_s: float = STATUS_TIMEOUT_S):
+    def __init__(self, labelnames: list[str], secret: bytes | None, timeout_s: float = STATUS_TIMEOUT_S,
+                 protection: str = "handshake"):
         self._labelnames = list(labelnames)
         self._secret, self._timeout_s = secret, timeout_s
+        self._protection = protection  # the servers' wire_protection: they refuse a status call without it
         self._lock = threading.Lock()
         self._engines: dict[int, tuple[list[str], list[str]]] = {}  # engine -> (label values, addrs)
         self._last_logged: dict[str, float] = {}
@@ -94,7 +96,8 @@ class StoreCollector:
     def _status(self, addr: str) -> wire.StatusReply | None:
         try:
             host, port = parse_target(addr)
-            return store_status(host, port, secret=self._secret, timeout_s=self._timeout_s)
+            return store_status(host, port, secret=self._secret, timeout_s=self._timeout_s,
+                                protection=self._protection)
         except (TransferError, OSError, ValueError) as exc:
             self._log_unreachable(addr, exc)
             return None
@@ -141,7 +144,9 @@ class TieredPromMetrics(KVConnectorPromMetrics):
         # with the data), one child per engine for the others
         self.fed: dict[Metric, Any] = {m: self._register(m, per_engine_labelvalues)
                                        for m in (*metrics.INTERVAL, *metrics.STORE_COUNTERS)}
-        self.store_state = StoreCollector(labelnames, connector_secret(vllm_config))
+        extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None)
+        self.store_state = StoreCollector(labelnames, connector_secret(vllm_config),
+                                          protection=TieredConfig.from_extra(extra).wire_protection)
         install_collector(self.store_state, REGISTRY if registry is None else registry)
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             logger.warning("PROMETHEUS_MULTIPROC_DIR is set (api_server_count > 1): vLLM's /metrics serves "

@@ -74,7 +74,7 @@ class TieredConnectorScheduler:
         own landing store; the address must be in allowed_peers (it came from an HTTP client)."""
         host = self._peers.check(addr[0], addr[1], "kv_transfer_params.kvc.addrs")
         return StoreClient(host, addr[1], compat=self._compat, secret=self._secret,
-                           connect_timeout_s=self.config.connect_timeout_s)
+                           connect_timeout_s=self.config.connect_timeout_s, protection=self.config.wire_protection)
 
     # ------------------------------------------------------------------ start-up
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:

@@ -157,7 +157,8 @@ class TieredConnectorWorker:
                                   secret=self._secret, idle_timeout_s=cfg.server_idle_timeout_s,
                                   staging_failure=self._staging_failed.get, faults=cfg.fault_plan,
                                   nixl=cfg.transport == "nixl" and self.is_producer, landing=self.landing,
-                                  require_grants=self.is_producer and not landing)
+                                  require_grants=self.is_producer and not landing,
+                                  protection=cfg.wire_protection)
         if self.is_producer:
             self.pusher = PushSender(self.store, fingerprint=self.layout.fingerprint,
                                      num_layers=self.layout.num_layers, client_factory=self._client,
@@ -407,7 +408,8 @@ class TieredConnectorWorker:
 
     def _client(self, host: str, port: int) -> StoreClient:
         return StoreClient(host, port, compat=self._compat, secret=self._secret,
-                           connect_timeout_s=self.config.connect_timeout_s, peer_name=self.engine_id[:wire.MAX_PEER_NAME])
+                           connect_timeout_s=self.config.connect_timeout_s, peer_name=self.engine_id[:wire.MAX_PEER_NAME],
+                           protection=self.config.wire_protection)
 
     def _producer_client(self, p: TransferParams, rank: int) -> StoreClient:
         """A client to the ticket's producer `rank`, whose address must be in allowed_peers."""

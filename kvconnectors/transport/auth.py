@@ -8,7 +8,9 @@ Protocol v4 (wire.py):
     checks proof_s; then Proof(proof_c)         ─▶   checks proof_c
                                                 ◀──  Ack(ok)
 
-    T       = SHA-256(DOMAIN, version, compat, peer, client_nonce, server_nonce), each part length-prefixed
+    T       = SHA-256(DOMAIN, version, compat, peer, client_nonce, server_nonce[, protection]), each part
+              length-prefixed; `protection` (Hello.protection) only when it is not the default "handshake",
+              so a default handshake reads exactly as before the setting existed
     proof_s = HMAC-SHA256(secret, DOMAIN | "server" | T)
     proof_c = HMAC-SHA256(secret, DOMAIN | "client" | T)
     key     = HKDF-SHA256(ikm=secret, salt=T, info="kvconnectors session key v1")   (RFC 5869, 32 bytes)
@@ -19,8 +21,15 @@ challenge did, which let a fake server hand it the real server's nonce and forwa
 proof made for one connection is worthless on another (its nonces differ); a client's proof cannot
 be reflected as a server's (the labels differ); and a client holding the secret refuses a server
 that cannot prove it. `key` is derived from the same transcript for use after the handshake (a
-per-frame MAC); the handshake itself does not protect the frames that follow it (a transparent
-relay on the path can still pass them along, or change them: see the README's threat model).
+sealed connection, below); by default the handshake itself does not protect the frames that follow
+it (a transparent relay on the path can still pass them along, read them, or change them: see the
+README's threat model).
+
+wire_protection "aead" (sealed.py) closes that: both sides name it in the handshake (Hello.protection,
+echoed in Welcome.protection, and part of T, so a relay that strips or adds it breaks both proofs),
+then seal every frame and every KV byte after it in AES-256-GCM records, keyed per direction from
+`key` (HKDF-Expand, "c2s" / "s2c"), with a per-direction record counter as the nonce. It needs the
+shared secret and protocol v4; sides that disagree are refused at the handshake, naming both values.
 
 v3 peers (the previous version) speak the old one-way challenge (`prove_legacy`): the server proves
 nothing, and the client signs the server's nonce.
@@ -94,10 +103,15 @@ def new_nonce() -> bytes:
 
 
 # ---------------------------------------------------------------------- v4: mutual, over a transcript
-def transcript(version: int, compat: str, peer: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """SHA-256 of everything the handshake agreed on, each part length-prefixed (unambiguous)."""
+def transcript(version: int, compat: str, peer: str, client_nonce: bytes, server_nonce: bytes,
+               protection: str = "handshake") -> bytes:
+    """SHA-256 of everything the handshake agreed on, each part length-prefixed (unambiguous).
+    `protection` joins only when it is not the default, so default transcripts are unchanged."""
     h = hashlib.sha256(DOMAIN)
-    for part in (str(version).encode(), compat.encode(), peer.encode(), client_nonce, server_nonce):
+    parts = [str(version).encode(), compat.encode(), peer.encode(), client_nonce, server_nonce]
+    if protection != "handshake":
+        parts.append(b"protection=" + protection.encode())
+    for part in parts:
         h.update(len(part).to_bytes(4, "big"))
         h.update(part)
     return h.digest()
@@ -128,6 +142,7 @@ class Session:
     peer:          its address, "host:port".
     peer_name:     the name it gave in its Hello (part of the authenticated transcript under a secret).
     key:           the session key (v4 with a secret), else None.
+    protection:    the wire_protection both sides agreed on ("handshake", or "aead": sealed).
     """
     id: str
     version: int
@@ -136,6 +151,7 @@ class Session:
     peer: str
     peer_name: str = ""
     key: bytes | None = None
+    protection: str = "handshake"
 
 
 def session_id(th: bytes | None) -> str:

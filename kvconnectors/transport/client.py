@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.errors import ConfigError, FailureCause, TransferError
 from kvconnectors.transport import auth, wire
 from kvconnectors.transport.paths import TCP_PULL, PullPath
 
@@ -33,11 +33,17 @@ class StoreClient:
     previous version (an instance not yet upgraded) is spoken to in that version: one-way
     authentication and no transfer tokens, which that server does not check anyway. With a
     `secret`, a server of this version must prove it holds the same secret before this side proves
-    anything (auth.py); one that cannot is refused with cause auth."""
+    anything (auth.py); one that cannot is refused with cause auth.
+
+    `protection` (the TieredConnector setting wire_protection): "aead" seals every frame and KV
+    byte after the handshake (sealed.py); it needs `secret` and a v4 server that runs "aead" too
+    (never falls back to v3). Sides that disagree fail typed (auth), naming both values."""
 
     def __init__(self, host: str, port: int, *, compat: str | Mapping[int, str], secret: bytes | None = None,
-                 connect_timeout_s: float = 5.0, peer_name: str = ""):
+                 connect_timeout_s: float = 5.0, peer_name: str = "", protection: str = wire.HANDSHAKE):
         self.address = f"{host}:{port}"
+        check_protection(protection, secret)
+        self.protection = protection
         hashes = dict(compat) if isinstance(compat, Mapping) else {wire.PROTOCOL_VERSION: compat}
         self._hashes = hashes
         deadline = time.monotonic() + connect_timeout_s
@@ -50,6 +56,10 @@ class StoreClient:
                 return
             except _Older as older:
                 self.close()
+                if protection == wire.AEAD:
+                    raise TransferError(FailureCause.AUTH, (
+                        f"producer {self.address} admits only protocol v{older.version}, which cannot seal the "
+                        "connection; wire_protection 'aead' needs v4 on both sides"), refused=True) from None
                 version = older.version  # an instance not upgraded yet: speak its version
             except BaseException:
                 self.close()
@@ -70,9 +80,13 @@ class StoreClient:
     def _handshake(self, version: int, compat: str, secret: bytes | None, peer_name: str,
                    deadline: float) -> None:
         nonce = auth.new_nonce() if version >= 4 else None
-        self._send(wire.Hello(version=version, compat_hash=compat, peer=peer_name, nonce=nonce))
+        self._send(wire.Hello(version=version, compat_hash=compat, peer=peer_name, nonce=nonce,
+                              protection=self.protection))
         welcome = self._expect(wire.Welcome, deadline)
         if not welcome.ok:
+            if wire.PROTECTION_MISMATCH in welcome.error:
+                raise TransferError(FailureCause.AUTH, f"producer {self.address} refused: {welcome.error[:500]}",
+                                    refused=True)
             admitted = wire.admitted_versions(welcome.error)
             older = wire.PREVIOUS_VERSION
             if version > older and version not in admitted and older in admitted and older in self._hashes:
@@ -84,6 +98,11 @@ class StoreClient:
                                         authenticated=welcome.nonce is not None, mutual=False, peer=self.address,
                                         peer_name=peer_name)
             return
+        if welcome.protection != self.protection:  # checked again through the proof (the transcript)
+            raise TransferError(FailureCause.AUTH, wire.protection_mismatch(self.protection, welcome.protection,
+                                                                            us="client") +
+                                f" (producer {self.address}; a producer that predates the setting reads as "
+                                f"{wire.HANDSHAKE!r})", refused=True)
         if welcome.nonce is None:  # the server holds no secret: it cannot prove anything
             if secret is not None:
                 raise TransferError(FailureCause.AUTH, (
@@ -95,7 +114,7 @@ class StoreClient:
         if secret is None:
             raise TransferError(FailureCause.AUTH, f"producer {self.address} requires a shared secret; "
                                                    f"none is configured here ({auth.SECRET_ENV} or secret_file)")
-        th = auth.transcript(version, compat, peer_name, nonce, welcome.nonce)
+        th = auth.transcript(version, compat, peer_name, nonce, welcome.nonce, self.protection)
         if not auth.verify_role(secret, auth.ROLE_SERVER, th, welcome.proof):
             self._abort(deadline)
             raise TransferError(FailureCause.AUTH, (
@@ -105,8 +124,15 @@ class StoreClient:
         ack = self._expect(wire.Ack, deadline)
         if not ack.ok:
             raise TransferError(FailureCause.AUTH, f"producer {self.address}: {ack.message}")
+        key = auth.session_key(secret, th)
         self.session = auth.Session(id=auth.session_id(th), version=version, authenticated=True, mutual=True,
-                                    peer=self.address, peer_name=peer_name, key=auth.session_key(secret, th))
+                                    peer=self.address, peer_name=peer_name, key=key, protection=self.protection)
+        if self.protection == wire.AEAD:
+            from kvconnectors.transport.sealed import SealedSocket, direction_keys
+
+            send_key, recv_key = direction_keys(key, client=True)
+            self.sock = SealedSocket(self.sock, send_key=send_key, recv_key=recv_key, peer=f"producer {self.address}",
+                                     on_failure=_hang_up)
 
     def _legacy_auth(self, welcome: wire.Welcome, secret: bytes | None, deadline: float) -> None:
         """v3: the server sends a nonce when it requires the secret and proves nothing itself."""
@@ -257,11 +283,31 @@ class StoreClient:
         return self._expect(wire.StatusReply, deadline)
 
 
-def store_status(host: str, port: int, *, secret: bytes | None = None, timeout_s: float = 5.0) -> wire.StatusReply:
+def check_protection(protection: str, secret: bytes | None) -> None:
+    """The wire_protection setting of a client or server: a known value; "aead" needs the secret
+    (its keys come from the handshake the secret authenticates)."""
+    if protection not in wire.PROTECTIONS:
+        raise ConfigError("wire_protection", protection, f"must be one of {', '.join(wire.PROTECTIONS)}")
+    if protection == wire.AEAD and secret is None:
+        raise ConfigError("wire_protection", protection, (
+            f"needs the shared secret (secret_file or {auth.SECRET_ENV}): the sealing keys come from the "
+            "handshake it authenticates"))
+
+
+def _hang_up(sock, error: TransferError) -> None:
+    """A sealed record failed its tag: this connection carries nothing more."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def store_status(host: str, port: int, *, secret: bytes | None = None, timeout_s: float = 5.0,
+                 protection: str = wire.HANDSHAKE) -> wire.StatusReply:
     """Occupancy of a TieredConnector store server (entries, bytes per tier, connections)."""
     from kvconnectors.transport.auth import load_secret
 
     secret = secret if secret is not None else load_secret()
     with StoreClient(host, port, compat=wire.compat_hashes("tiered"), secret=secret,
-                     connect_timeout_s=timeout_s) as client:
+                     connect_timeout_s=timeout_s, protection=protection) as client:
         return client.status(time.monotonic() + timeout_s)

@@ -229,8 +229,8 @@ class PushSender:
             if exc.cause.breaks_stream:
                 self._drop_client(job.target)
             return
-        if exc.cause.breaks_stream and not exc.refused:
-            # The stream may be out of step: start afresh. (A refusal answered in step, e.g.
+        if (exc.cause.breaks_stream and not exc.refused) or exc.cause is FailureCause.AUTH:
+            # The stream may be out of step (or a sealed record failed its tag): start afresh. (A refusal answered in step, e.g.
             # store_full, keeps the connection: closing it would fail the other transfers on it.)
             self._drop_client(job.target)
         if not job.end:

@@ -28,6 +28,13 @@ neither this server's compat hash nor its layout fingerprint; failed authenticat
 (ServerCounters.auth_failures, StatusReply.auth_failures) and logged at most once per
 `log_interval_s` with the count of those not logged. Peers of the previous protocol version are
 admitted too (wire.ACCEPTED_VERSIONS) unless `compat` names only the current one.
+
+wire_protection (`protection`): "aead" seals every frame and KV byte after the handshake
+(sealed.py); it needs the secret, admits only v4 peers that run "aead" too (the refusal names both
+values), and offers no nixl path (NIXL moves the bytes outside the sealed socket). A sealed record
+that fails its tag is counted (ServerCounters.integrity_failures, StatusReply.integrity_failures),
+answered with a typed auth refusal in the other direction, and its connection closed; the server
+keeps serving the others.
 """
 
 from __future__ import annotations
@@ -42,11 +49,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvconnectors.errors import FailureCause, TransferError, UnknownTransferError
+from kvconnectors.errors import ConfigError, FailureCause, TransferError, UnknownTransferError
 from kvconnectors.logs import get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import auth, wire
 from kvconnectors.transport.auth import Session
+from kvconnectors.transport.client import check_protection
 from kvconnectors.transport.faults import FaultPlan, FaultRule, with_fault
 from kvconnectors.transport.landing import ConnectionState, Landing
 from kvconnectors.transport.nixl import NixlSource
@@ -64,6 +72,7 @@ class ServerCounters:
     connections: int = 0
     active_connections: int = 0
     auth_failures: int = 0
+    integrity_failures: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # cause -> count
     bytes_sent: int = 0
     reads: int = 0
@@ -107,12 +116,19 @@ class StoreServer:
                  landing: Landing | None = None, paths: Sequence[PullPath] | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, max_pending: int = 64,
                  max_pending_per_peer: int | None = None, max_per_peer: int = 64,
-                 require_grants: bool = False, max_grants: int = MAX_GRANTS, log_interval_s: float = 10.0):
+                 require_grants: bool = False, max_grants: int = MAX_GRANTS, log_interval_s: float = 10.0,
+                 protection: str = wire.HANDSHAKE):
         """`compat`: the hash peers must present, or one per admitted protocol version
         (wire.compat_hashes: peers of the previous version too). `paths`: the pull data paths
         offered (default: tcp, shm when the store has an arena, nixl when `nixl`).
         `require_grants`: an id never granted a token is unknown (a producer's server, where every
-        transfer is granted when its staging starts)."""
+        transfer is granted when its staging starts). `protection`: the wire_protection setting."""
+        check_protection(protection, secret)
+        if protection == wire.AEAD and (nixl or (paths is not None and any(p.name == NixlPull.name for p in paths))):
+            raise ConfigError("wire_protection", protection, (
+                "cannot seal transport 'nixl': NIXL moves the KV bytes itself, outside the sealed connection; "
+                "use transport tcp (or shm on one host) with aead"))
+        self.protection = protection
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
         self.compat = dict(compat) if isinstance(compat, Mapping) else {wire.PROTOCOL_VERSION: compat}
         self.secret = secret
@@ -318,15 +334,16 @@ class StoreServer:
             conn.owner = ("session", session.id)
             self._authenticated(key)
             pending = False
+            io = self._seal(sock, session) if session.protection == wire.AEAD else sock
             while True:
                 try:
-                    msg = wire.recv_msg(sock, deadline=time.monotonic() + self.idle_timeout_s)
+                    msg = wire.recv_msg(io, deadline=time.monotonic() + self.idle_timeout_s)
                 except TransferError as exc:
                     if exc.cause is FailureCause.PROTOCOL:
                         self.counters.reject("protocol")
-                        wire.send_refusal(sock, exc)
-                    return  # peer closed, idle or sent garbage: drop the connection only
-                if not self._dispatch(sock, msg, conn, session.version, session):
+                        wire.send_refusal(io, exc)
+                    return  # peer closed, idle, sent garbage or a record that failed its tag: drop it only
+                if not self._dispatch(io, msg, conn, session.version, session) or getattr(io, "broken", None):
                     return
         except OSError:
             pass
@@ -343,6 +360,29 @@ class StoreServer:
                                      conn.peer, exc, exc_info=True)
             self._leave(sock, key, pending)
             sock.close()
+
+    def _seal(self, sock: socket.socket, session: Session):
+        from kvconnectors.transport.sealed import SealedSocket, direction_keys
+
+        assert session.key is not None  # aead admits only v4 peers that proved the secret
+        send_key, recv_key = direction_keys(session.key, client=False)
+        return SealedSocket(sock, send_key=send_key, recv_key=recv_key, peer=f"consumer {session.peer}",
+                            on_failure=self._integrity_failed)
+
+    def _integrity_failed(self, sock, error: TransferError) -> None:
+        """A sealed record failed its tag: count it, say so in the direction that is intact, hang up."""
+        with self._lock:
+            self.counters.integrity_failures += 1
+        self.counters.reject("integrity")
+        self.log.warning("integrity", "store server: %s (%d integrity failures so far)", error.detail,
+                         self.counters.integrity_failures)
+        wire.send_refusal(sock, TransferError(FailureCause.AUTH, (
+            "a sealed record from this side failed its integrity check on the store server "
+            "(changed on the way, replayed or reordered); the server closes this connection")))
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _handshake(self, sock: socket.socket, deadline: float) -> Session | None:
         """The peer's session once it is admitted; None when refused. `deadline` bounds every step
@@ -365,19 +405,32 @@ class StoreServer:
                              ours, self.compat[ours])
             self._welcome_refusal(sock, refused)
             return None
+        if hello.version < 4 and self.protection == wire.AEAD:
+            self.counters.reject("protection_mismatch")
+            self._welcome_refusal(sock, (
+                f"{wire.PROTECTION_MISMATCH}: this server runs {wire.AEAD!r}, which needs protocol v4; the peer "
+                f"speaks v{hello.version} (upgrade it, or run wire_protection {wire.HANDSHAKE!r} until the pool is)"))
+            return None
         if hello.version < 4:
             return self._legacy_handshake(sock, hello, peer, deadline)
         if not isinstance(hello.nonce, bytes) or len(hello.nonce) != auth.NONCE_BYTES:
             self.counters.reject("protocol")
             self._welcome_refusal(sock, f"a v{hello.version} Hello carries a {auth.NONCE_BYTES}-byte nonce")
             return None
+        if hello.protection != self.protection:
+            self.counters.reject("protection_mismatch")
+            self.log.warning("hello", "refused peer %s: its wire_protection %r differs from this server's %r", peer,
+                             hello.protection[:32], self.protection)
+            self._welcome_refusal(sock, wire.protection_mismatch(self.protection, hello.protection))
+            return None
         if self.secret is None:
             wire.send_msg(sock, wire.Welcome(ok=True))
             return Session(id=auth.session_id(None), version=hello.version, authenticated=False, mutual=False,
                            peer=peer, peer_name=hello.peer)
         nonce = auth.new_nonce()
-        th = auth.transcript(hello.version, hello.compat_hash, hello.peer, hello.nonce, nonce)
-        wire.send_msg(sock, wire.Welcome(ok=True, nonce=nonce, proof=auth.prove_role(self.secret, auth.ROLE_SERVER, th)))
+        th = auth.transcript(hello.version, hello.compat_hash, hello.peer, hello.nonce, nonce, self.protection)
+        wire.send_msg(sock, wire.Welcome(ok=True, nonce=nonce, proof=auth.prove_role(self.secret, auth.ROLE_SERVER, th),
+                                         protection=self.protection))
         try:
             proof = wire.recv_msg(sock, deadline=deadline)
         except TransferError:
@@ -387,7 +440,7 @@ class StoreServer:
             return None
         wire.send_msg(sock, wire.Ack(ok=True))
         return Session(id=auth.session_id(th), version=hello.version, authenticated=True, mutual=True, peer=peer,
-                       peer_name=hello.peer, key=auth.session_key(self.secret, th))
+                       peer_name=hello.peer, key=auth.session_key(self.secret, th), protection=self.protection)
 
     def _legacy_handshake(self, sock: socket.socket, hello: wire.Hello, peer: str, deadline: float) -> Session | None:
         """v3: the one-way challenge (the server signs nothing; the peer signs our nonce)."""
@@ -447,6 +500,11 @@ class StoreServer:
                     sock.shutdown(socket.SHUT_RDWR)  # the pushed bytes are not read
                     return True
                 raise
+            if session.protection == wire.AEAD and getattr(msg, "data_path", "inline") not in _SEALED_PATHS:
+                # nothing trails such a frame (its bytes would come through NIXL): the stream stays in step
+                raise TransferError(FailureCause.PROTOCOL, (
+                    f"data_path {msg.data_path!r} is not sealed under wire_protection 'aead' (NIXL moves the "
+                    "bytes outside this connection); use data_path 'inline' or 'shm'"))
             if isinstance(msg, wire.Read):
                 self._read(sock, msg, fault, session)
             elif isinstance(msg, wire.Renew):
@@ -605,7 +663,8 @@ class StoreServer:
             entries=usage["entries"], dram_used_bytes=usage["dram"]["used_bytes"],
             nvme_used_bytes=usage["nvme"]["used_bytes"], pinned=usage["pinned"],
             active_connections=self.active_connections - 1, counters=counters,  # minus this one
-            rejected=dict(self.counters.rejected), auth_failures=self.counters.auth_failures),
+            rejected=dict(self.counters.rejected), auth_failures=self.counters.auth_failures,
+            integrity_failures=self.counters.integrity_failures),
             limit=wire.MAX_CONTROL_BYTES)
 
     def _locate(self, sock: socket.socket, msg: wire.Locate) -> None:
@@ -623,6 +682,7 @@ class StoreServer:
         wire.send_msg(sock, wire.Ack(ok=True))
 
 
+_SEALED_PATHS = ("inline", "shm")  # aead: on the sealed socket, or same-host memory (never the network)
 MAX_BLOCKS = 1 << 24  # blocks of one read (a prompt of 16M tokens at block size 1)
 
 

@@ -27,6 +27,11 @@ Version history:
       gains auth_failures. A v3 peer (the previous version) is still admitted unless the server
       refuses previous-version peers; it authenticates one way only and presents no tokens, so it
       reaches no entry that was granted one.
+      Later, additive (no version bump): Hello.protection and Welcome.protection, the
+      wire_protection each side runs ("handshake", the default, or "aead": every frame and KV byte
+      after the handshake sealed, sealed.py). A peer that predates them sends neither and reads as
+      "handshake"; "aead" joins the authenticated transcript, so it cannot be stripped or added on
+      the way. StatusReply gains integrity_failures.
 
 Rolling upgrades: a server accepts peers of the previous version too (ACCEPTED_VERSIONS), for one
 release, so prefill and decode pools can be upgraded one at a time. Messages both versions share
@@ -55,6 +60,8 @@ MAX_CONTROL_BYTES = 1 << 20  # a control frame is metadata only; data never trav
 MAX_PEER_NAME = 256          # Hello.peer: a name for logs, not a payload
 MAX_TOKEN = 128              # a transfer token's length (the scheduler's are 32 characters)
 MAX_MESSAGE = 2000           # characters of a refusal's message: diagnostics, not payload
+HANDSHAKE, AEAD = "handshake", "aead"  # wire_protection: what the shared secret protects
+PROTECTIONS = (HANDSHAKE, AEAD)
 _LEN = struct.Struct("!I")
 
 
@@ -63,6 +70,7 @@ class Hello(msgspec.Struct, tag=True):
     compat_hash: str
     peer: str = ""
     nonce: bytes | None = None  # v4: the client's fresh nonce (auth.NONCE_BYTES), always sent
+    protection: str = HANDSHAKE  # v4: the client's wire_protection (in the transcript unless the default)
 
 
 class Welcome(msgspec.Struct, tag=True):
@@ -70,6 +78,7 @@ class Welcome(msgspec.Struct, tag=True):
     nonce: bytes | None = None  # present when the server requires the shared secret
     error: str = ""
     proof: bytes | None = None  # v4, with nonce: the server's proof over the transcript (auth.py)
+    protection: str = HANDSHAKE  # v4: the server's wire_protection (a server that predates it: the default)
 
 
 class Proof(msgspec.Struct, tag=True):
@@ -134,6 +143,7 @@ class StatusReply(msgspec.Struct, tag=True):
     counters: dict[str, int]
     rejected: dict[str, int] = msgspec.field(default_factory=dict)  # server refusals by cause (auth, ...)
     auth_failures: int = 0  # v4: handshakes that failed the shared-secret proof, since start
+    integrity_failures: int = 0  # sealed records (wire_protection aead) that failed their tag, since start
 
 
 class Push(msgspec.Struct, tag=True):
@@ -214,6 +224,15 @@ def check_hello(hello: Hello, compat: dict[int, str]) -> str:
     else:
         why = f"its protocol v{hello.version} is not admitted"
     return f"incompatible peer: {why} (this server admits {versions})"
+
+
+PROTECTION_MISMATCH = "wire_protection differs"
+
+
+def protection_mismatch(ours: str, theirs: str, us: str = "server") -> str:
+    """A refusal naming both sides' wire_protection (the value is not secret)."""
+    return (f"{PROTECTION_MISMATCH}: this {us} runs {ours!r}, the peer {theirs[:32]!r}; set the TieredConnector "
+            "setting wire_protection to the same value on both sides")
 
 
 def admitted_versions(error: str) -> set[int]:
