@@ -15,6 +15,7 @@ must not count more connections than the cluster's processes hold (a server side
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import psutil
 
 from kvconnectors.errors import KVConnectorError
 from kvconnectors.serving import process_tree
+from kvconnectors.transport import wire
 from kvconnectors.transport.client import store_status
 
 IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
@@ -36,6 +38,7 @@ class Store:
     role: str     # prefill (staging store) | decode (landing store)
     host: str
     port: int
+    protection: str = wire.HANDSHAKE  # the plan's wire_protection: a status call must speak it too
 
 
 def pd_leaks(pd: Any, producer_alive: bool = True, secret: bytes | None = None,
@@ -78,12 +81,16 @@ def cluster_stores(pd: Any) -> list[Store]:
         if not p.kv_addr or (p.role == "decode" and not is_push(p)):
             continue
         host, port = p.kv_addr.rsplit(":", 1)
-        stores.append(Store(p.name, p.role, host, int(port)))
+        stores.append(Store(p.name, p.role, host, int(port), extra_config(p).get("wire_protection", wire.HANDSHAKE)))
     return stores
 
 
+def extra_config(plan: Any) -> dict:
+    return plan.kv_transfer_config.get("kv_connector_extra_config") or {}
+
+
 def is_push(plan: Any) -> bool:
-    return (plan.kv_transfer_config.get("kv_connector_extra_config") or {}).get("transfer_mode") == "push"
+    return extra_config(plan).get("transfer_mode") == "push"
 
 
 def client_ports(pid: int | None) -> dict[int, Counter]:
@@ -93,11 +100,37 @@ def client_ports(pid: int | None) -> dict[int, Counter]:
         return out
     for proc in process_tree(pid):
         try:
-            conns = proc.net_connections("tcp")
-        except psutil.Error:
+            out[proc.pid] = established_remote_ports(proc.pid)
+        except OSError:
             continue
-        out[proc.pid] = Counter(c.raddr.port for c in conns if c.raddr and c.status == psutil.CONN_ESTABLISHED)
     return out
+
+
+def established_remote_ports(pid: int) -> Counter:
+    """Remote ports of `pid`'s ESTABLISHED tcp sockets, read from /proc/<pid>/net: the tables of the
+    process's own network namespace. (psutil reads the caller's /proc/net, so from another
+    namespace, an emulated host's, it sees none of them: the check would pass without looking.)"""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(int(link[8:-1]))
+    ports: Counter = Counter()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            # sl local_address rem_address st ... inode (field 9); st 01 = ESTABLISHED
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "01" and int(fields[9]) in inodes:
+                ports[int(fields[2].rsplit(":", 1)[1], 16)] += 1
+    return ports
 
 
 def held_to(held: dict[str, dict[int, Counter]], port: int) -> int:
@@ -130,7 +163,7 @@ def idle_connections(store: Store, holder: str) -> int:
 def store_problems(store: Store, seen_clients: int, secret: bytes | None) -> list[str]:
     where = f"{store.owner}'s store {store.host}:{store.port}"
     try:
-        st = store_status(store.host, store.port, secret=secret)
+        st = store_status(store.host, store.port, secret=secret, protection=store.protection)
     except (KVConnectorError, OSError) as exc:
         return [f"{where}: status call failed: {exc}"]
     problems = [f"{where}: {field} = {getattr(st, field)}" for field in HELD_FIELDS if getattr(st, field)]

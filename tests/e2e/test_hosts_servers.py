@@ -1,13 +1,15 @@
 """P/D across hosts: prefill, decode and proxy+client each in their own network namespace (an
 emulated host, kvconnectors/testing/hosts.py) on a private /24, the prefill's link shaped with tc
 tbf. TieredConnector binds 0.0.0.0, advertises the host's address and runs with a shared secret;
-nixl goes over UCX on the veth device, not `lo`. Greedy output equals colocated, the KV crossed
-the prefill host's link, and a negative control on the same servers changes tokens."""
+tcp with wire_protection "aead" (every frame and KV byte sealed), nixl over UCX on the veth device,
+not `lo`. Greedy output equals colocated, the KV crossed the prefill host's link, nothing is held
+afterwards, and a negative control on the same servers changes tokens."""
 
 from __future__ import annotations
 
 import copy
 import secrets
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,6 +20,7 @@ from kvconnectors.serving import complete
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
+from kvconnectors.testing.leaks import assert_pd_idle
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
@@ -78,7 +81,9 @@ def pull_proxy(pd: PDCluster) -> ProxyThread:
 def test_pd_across_hosts_equals_colocated(tiny_model, hosts, secret_file, prompts, colocated, transport,
                                           tmp_path) -> None:
     """Pull (through a pull-mode proxy) and push (the cluster's push-mode proxy) on one pair."""
-    kv = {"kv_connector_extra_config": {"secret_file": secret_file, "test_hooks": True}}
+    # aead is the mode across hosts; NIXL moves bytes outside our socket, so it cannot be sealed
+    protection = {"tcp": {"wire_protection": "aead"}, "nixl": {}}[transport]
+    kv = {"kv_connector_extra_config": {"secret_file": secret_file, "test_hooks": True, **protection}}
     clean, control = prompts[:len(LENGTHS)], prompts[len(LENGTHS):]
     hosts.shape("pre", egress=LINK)
     sent_before = hosts.tx_bytes("pre")
@@ -101,6 +106,9 @@ def test_pd_across_hosts_equals_colocated(tiny_model, hosts, secret_file, prompt
             d = pd.decode[0].metrics()
         with hosts.inside("pre"):
             p = pd.prefill[0].metrics()
+        with pd.inside_client():  # status calls speak the plan's wire protection: aead for tcp (a store
+            # without it would refuse them), and the connection counts come from each host's own tables
+            assert_pd_idle(pd, secret=Path(secret_file).read_text().strip().encode(), timeout=30)
     pulled = total(d, "kvconnectors:transfer_bytes_total")
     pushed = total(p, "kvconnectors:pushed_bytes_total")
     assert pulled > 0 and pushed > 0, f"pulled {pulled} B, pushed {pushed} B: both modes must have moved KV"

@@ -224,3 +224,22 @@ def test_assert_pd_idle_fails_naming_what_is_held(cluster_of) -> None:
     with pytest.raises(AssertionError, match="prefill-1's store .*: entries = 1"):
         assert_pd_idle(c, timeout=1.0)
     assert time.monotonic() - start < 10
+
+
+def test_established_remote_ports_sees_this_process_sockets_by_remote_port():
+    import os
+    import socket
+
+    from kvconnectors.testing.leaks import established_remote_ports
+
+    with socket.socket() as lsock:
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen()
+        port = lsock.getsockname()[1]
+        before = established_remote_ports(os.getpid())[port]
+        with socket.create_connection(("127.0.0.1", port)) as c1, socket.create_connection(("127.0.0.1", port)) as c2:
+            a1, _ = lsock.accept()
+            a2, _ = lsock.accept()
+            with a1, a2:
+                assert established_remote_ports(os.getpid())[port] == before + 2
+                assert established_remote_ports(os.getpid())[c1.getsockname()[1]] >= 1  # the accepted side
