@@ -28,9 +28,10 @@ _SOURCES: dict[str, tuple[str, ...]] = {"interval": ("counter", "histogram"), "s
                                         "status": ("gauge",)}
 
 # Data-path names, the `path` label of the transfer metrics: pulls over a socket, from the
-# producer's shared-memory arena, by a NIXL READ; and pushes that landed over a socket or by a
-# NIXL WRITE in this decode's landing store (then loaded from there).
-DATA_PATHS = ("tcp", "shm", "nixl", "push_tcp", "push_nixl")
+# producer's shared-memory arena, by a NIXL READ into host KV blocks, by a NIXL READ straight into
+# device (VRAM) KV blocks; and pushes that landed over a socket or by a NIXL WRITE in this decode's
+# landing store (then loaded from there).
+DATA_PATHS = ("tcp", "shm", "nixl", "nixl_vram", "push_tcp", "push_nixl")
 NO_PATH = "none"  # transfers only: a load with nothing to move (every block already local)
 LABEL_SEP = "->"  # between the label values of one dict key, for a counter with several labels
 
@@ -72,6 +73,9 @@ INTERVAL: tuple[Metric, ...] = (
              f"KV bytes received by this (decode) instance, by data path ({_PATHS_HELP}).", ("path",)),
     _counter("path_fallbacks", "path_fallbacks", "KV loads that could not use the configured data path and used "
              "another (e.g. shm -> tcp for a producer without shared memory).", ("configured", "used")),
+    _counter("nixl_vram_fallbacks", "nixl_vram_fallbacks", "Consumer ranks with a CUDA KV cache and transport nixl "
+             "that do not READ into device memory (GPU-direct), counted once per rank at start-up, by reason "
+             "(layout, checksum, agent, no_vram, registration); their loads take the host path.", ("reason",)),
     _counter("staged_bytes", "bytes_staged", "KV bytes staged into the host store (prefill side)."),
     Metric(PREFIX + "transfer_seconds", "histogram", "Duration of one request's KV pull, connect to last byte.",
            "interval", "transfer_seconds", buckets=_SECONDS),

@@ -10,6 +10,7 @@ metrics.py. Shape (one interval, summed over TP ranks):
     transfers_by_path  {"shm": 3}           loads, each under the path that carried most of its bytes
                                             ("none": a load with nothing to move)
     path_fallbacks     {"shm->tcp": 1}      loads that could not use the configured path
+    nixl_vram_fallbacks {"checksum": 1}     CUDA + nixl consumer ranks not READing into VRAM, by reason
     transfer_seconds   [0.012, ...]
     failures           {cause: n};  errors {request id: [cause, message]}
     store              {"addrs": ["host:port", ...], "gauges": {...}, "deltas": {...}}   (optional)
@@ -86,6 +87,10 @@ class TieredStats(KVConnectorStats):
         """A load that could not use the configured path (e.g. shm without an shm_path) used `used`."""
         _add_counts(self.data["path_fallbacks"], {metrics.label_key(configured, used): 1})
 
+    def record_nixl_vram_fallback(self, reason: str) -> None:
+        """A CUDA + nixl consumer rank that keeps the host path (nixl_device.REASONS), once at start-up."""
+        _add_counts(self.data["nixl_vram_fallbacks"], {reason: 1})
+
     def record_failure(self, cause: str) -> None:
         _add_counts(self.data["failures"], {cause: 1})
 
@@ -142,6 +147,8 @@ class TieredStats(KVConnectorStats):
             out[f"MB via {path}"] = round(n / 1e6, 3)
         for fallback, n in sorted(self.data["path_fallbacks"].items()):
             out[f"Path fallbacks {fallback}"] = n
+        for reason, n in sorted(self.data["nixl_vram_fallbacks"].items()):
+            out[f"NIXL VRAM fallbacks ({reason})"] = n
         if self.data["pushes"] or self.data["push_fallbacks"]:
             out["Layer groups pushed"] = self.data["pushes"]
             out["MB pushed"] = round(self.data["bytes_pushed"] / 1e6, 3)
@@ -158,6 +165,7 @@ class TieredStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return not (self.data["transfers"] or self.data["bytes_staged"] or self.data["failures"]
                     or self.data["pushes"] or self.data["push_fallbacks"] or self.data["path_fallbacks"]
+                    or self.data["nixl_vram_fallbacks"]
                     or self.data.get("store"))
 
     def clone_and_reset(self) -> "TieredStats":

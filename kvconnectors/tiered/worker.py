@@ -36,12 +36,13 @@ from kvconnectors.tiered.metadata import RecvSpec, SaveSpec, TieredConnectorMeta
 from kvconnectors.tiered.params import TransferParams
 from kvconnectors.tiered.stats import TieredStats
 from kvconnectors.transport import nixl as nixl_transport
+from kvconnectors.transport import nixl_device
 from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.peers import PeerPolicy
-from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, TCP_PUSH, NixlPull, NixlPush, PullPath
+from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, TCP_PUSH, NixlDevicePull, NixlPull, NixlPush, PullPath
 from kvconnectors.transport.push import PushJob, PushSender, parse_target
 from kvconnectors.transport.server import StoreServer
 
@@ -113,6 +114,7 @@ class TieredConnectorWorker:
         if config.transport == "nixl":
             nixl_transport.require_nixl()
         self._nixl_pull: NixlPull | None = None  # holds this process's consumer NIXL agent
+        self._nixl_device: NixlDevicePull | None = None  # CUDA cache: its agent, the cache registered as VRAM
         self._nixl_lock = threading.Lock()
         self._warned_nixl_device = False
         self.inflight_loads = 0
@@ -128,6 +130,8 @@ class TieredConnectorWorker:
         self.ops = ops_for(self.geometry.device)
         self.loader = Loader(self.geometry, self.ops)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        if self.is_consumer and nixl_device.applies(self.geometry.device, self.config.transport):
+            self._open_nixl_device()
         landing = self.is_consumer and self.config.transfer_mode == "push"
         if not (self.is_producer or landing):
             return
@@ -168,6 +172,25 @@ class TieredConnectorWorker:
                     "(%s %s %s on %s)", cfg.dram_bytes, cfg.bind_host, self.server.port, cfg.transport,
                     ", accepts pushes" if landing else "", self.layout.block_bytes, self.layout.num_layers,
                     self.geometry.backend, self.geometry.layout, self._cache_dtype, self.geometry.device)
+
+    def _open_nixl_device(self) -> None:
+        """CUDA cache and transport nixl, once per rank at start-up: register the device KV cache
+        with NIXL as VRAM for GPU-direct READs, or keep the host path, said once here (WARNING,
+        naming the reason) and counted in kvconnectors:nixl_vram_fallbacks{reason}."""
+        sink, fallback = nixl_device.open_direct(
+            self.geometry, checksum=self.config.checksum,
+            sink_factory=lambda: nixl_transport.NixlSink(tag=self.engine_id))
+        rank = self.layout.tp_rank if self.layout is not None else 0
+        if sink is not None:
+            self._nixl_device = NixlDevicePull(sink=sink)
+            logger.info("transport nixl, rank %d: pulls READ straight into the %s KV cache (registered with NIXL "
+                        "as VRAM; this path has not been validated on GPU hardware)", rank, self.geometry.device)
+            return
+        assert fallback is not None
+        self._warned_nixl_device = True  # said once, here; each load is still counted in path_fallbacks
+        logger.warning("transport nixl, rank %d: not READing into device memory (%s: %s); pulls go over tcp into "
+                       "page-locked host memory, then to the device", rank, fallback.reason, fallback.detail)
+        self._record("record_nixl_vram_fallback", fallback.reason)
 
     def get_handshake_metadata(self) -> TieredHandshakeMetadata | None:
         if self.server is None or self.layout is None:
@@ -499,6 +522,8 @@ class TieredConnectorWorker:
                                spec.req_id, exc)
                 self._record("record_push_fallback", exc.cause.value)
         layers = range(layout.num_layers)
+        if self._nixl_device is not None and fault is None:  # a test-hook fault needs host rows to corrupt
+            return self._pull_to_device(spec, p, layers, targets, deadline)
         # Host caches with whole-run blocks (vLLM's CPU backend): bytes land in the blocks
         # themselves. Device caches: in page-locked host rows, then one scatter per layer.
         dest = self.loader.direct_rows(layers, targets)
@@ -526,6 +551,20 @@ class TieredConnectorWorker:
                                    p.transfer_id, exc)
         return {path.label: nbytes}
 
+    def _pull_to_device(self, spec: RecvSpec, p: TransferParams, layers: range, targets: list[int],
+                        deadline: float) -> dict[str, int]:
+        """GPU-direct nixl: READ the rows straight into the device blocks. client.read returns only
+        after NIXL said DONE and the producer answered our Release, so the load is reported done
+        after the READ. `verify` is passed as configured: the direct path exists only with
+        checksum off (nixl_device.why_not_direct), and refuses a read it is asked to verify."""
+        path = self._nixl_device
+        assert path is not None
+        rows = nixl_device.device_rows(self.geometry, layers, targets)
+        with self._producer_client(p, self.layout.tp_rank) as client:
+            nbytes = client.read(p.transfer_id, layers, spec.first_block, rows, fingerprint=self.layout.fingerprint,
+                                 deadline=deadline, verify=self.config.checksum, path=path, token=p.token)
+        return {path.label: nbytes}
+
     def _load_rows(self, rows: np.ndarray, layers: range | list[int], targets: list[int], deadline: float) -> None:
         """Host rows -> the KV blocks through the loader; returns when the copy is done."""
         try:
@@ -537,15 +576,14 @@ class TieredConnectorWorker:
 
     def _pull_path(self, spec: RecvSpec, p: TransferParams, direct: bool = True) -> PullPath:
         """The data path of a pull: the configured one. A ticket that cannot use it (shm, but the
-        producer has no shm arena; nixl into a device cache, until NIXL registers VRAM) goes over
-        tcp, counted and logged: never silently."""
+        producer has no shm arena; nixl into a device cache that is not registered as VRAM, see
+        _open_nixl_device) goes over tcp, counted and logged: never silently."""
         transport = self.config.transport
         if transport == "nixl" and not direct:
-            if not self._warned_nixl_device:
+            if not self._warned_nixl_device:  # normally said at start-up, with the reason
                 self._warned_nixl_device = True
-                logger.warning("transport nixl: the KV cache is in %s memory, which this version does not "
-                               "register with NIXL; pulling over tcp into page-locked host memory instead",
-                               self.geometry.device)
+                logger.warning("transport nixl: the KV cache is in %s memory, not registered with NIXL; pulling "
+                               "over tcp into page-locked host memory instead", self.geometry.device)
             self._record("record_path_fallback", "nixl", TCP_PULL.label)
             return TCP_PULL
         if transport == "shm" and not p.shm_path:
@@ -668,9 +706,10 @@ class TieredConnectorWorker:
         if self.pusher is not None:
             self.pusher.close()
             self.pusher = None
-        if self._nixl_pull is not None:
-            self._nixl_pull.close()
-            self._nixl_pull = None
+        for nixl_path in (self._nixl_pull, self._nixl_device):
+            if nixl_path is not None:
+                nixl_path.close()
+        self._nixl_pull = self._nixl_device = None
         if self._reaper is not None:
             self._reaper.stop()
         if self.server is not None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvconnectors.errors import ConfigError, FailureCause, TransferError
 from kvconnectors.transport import auth, wire
+from kvconnectors.transport.nixl_device import DeviceRows
 from kvconnectors.transport.paths import TCP_PULL, PullPath
 
 
@@ -181,11 +182,13 @@ class StoreClient:
         self.close()
 
     # ------------------------------------------------------------------ requests
-    def read(self, transfer_id: str, layers: Sequence[int], first_block: int, dest: Sequence[memoryview],
+    def read(self, transfer_id: str, layers: Sequence[int], first_block: int,
+             dest: Sequence[memoryview] | DeviceRows,
              *, fingerprint: str, deadline: float, verify: bool = True, path: PullPath = TCP_PULL,
              dest_addrs: np.ndarray | None = None, token: str = "") -> int:
         """Pull blocks [first_block, first_block + len(dest) / len(layers)) of `layers` into
-        `dest` (one writable view per (layer, block), layer-major) over `path`. Returns bytes
+        `dest` (one writable view per (layer, block), layer-major; for NixlDevicePull the rows'
+        device addresses, DeviceRows) over `path`. Returns bytes
         received. `dest_addrs` (uint64, one per view) spares a nixl path taking each view's address.
         `token`: the transfer's token from its ticket. A path that does not stream answers Release
         itself; after a streamed read the caller does."""

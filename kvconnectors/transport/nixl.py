@@ -3,7 +3,9 @@ the producer's DRAM arena into its own KV cache blocks. The control protocol sta
 Read / Release on the store server's socket); only the bytes move through NIXL.
 
     producer (NixlSource)                          consumer (NixlSink)
-    arena registered once at server start          KV cache layers registered once, at first pull
+    arena registered once at server start          KV cache layers registered once: host caches as DRAM
+                                                   at first pull, CUDA caches as VRAM at start-up
+                                                   (GPU-direct, nixl_device.py; not run on a GPU yet)
     Read(data_path="nixl") ──▶ pin entry
                           ◀── ReadReply(agent meta, arena base, offsets, checksums)
     progress own worker while the READ runs        add_remote_agent (cached per producer address)
@@ -130,12 +132,23 @@ def _create_agent(role: str, name: str | None, tag: str) -> Any:
     return agent
 
 
-def reg_descs(regions: Sequence[tuple[int, int]]) -> np.ndarray:
-    """register_memory's descriptors: one (address, nbytes, device 0) row per region."""
+def reg_descs(regions: Sequence[tuple[int, int]], device: int = 0) -> np.ndarray:
+    """register_memory's descriptors: one (address, nbytes, device) row per region (the device
+    is the CUDA index for VRAM, 0 for DRAM)."""
     descs = np.zeros((len(regions), 3), dtype=np.uint64)
     for i, (addr, nbytes) in enumerate(regions):
         descs[i, 0], descs[i, 1] = addr, nbytes
+    descs[:, 2] = device
     return descs
+
+
+MEM_TYPES = ("DRAM", "VRAM")
+
+
+def _mem_type(mem: str) -> str:
+    if mem not in MEM_TYPES:
+        raise ValueError(f"NIXL memory type {mem!r} is not one of {MEM_TYPES}")
+    return mem
 
 
 class Backoff:
@@ -233,9 +246,9 @@ class NixlSink:
         self._agent = _create_agent("consumer", name, tag)
         self.name: str = self._agent.name
         self._lock = threading.Lock()               # peers, registrations, counters
-        self._regs: dict[tuple[int, int], Any] = {}  # (addr, nbytes) -> nixlRegDList
-        self._starts = np.empty(0, dtype=np.uint64)  # sorted registered regions, for the range check
-        self._ends = np.empty(0, dtype=np.uint64)
+        self._regs: dict[tuple[str, int, int, int], Any] = {}  # (mem type, device, addr, nbytes) -> nixlRegDList
+        # (mem type, device) -> sorted registered regions (starts, ends), for the range check
+        self._ranges: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._peers: dict[str, tuple[bytes, str]] = {}  # producer address -> (agent metadata, agent name)
         self._stuck: list[Any] = []                 # handles NIXL refused to release (still active)
         self.open_handles = 0                       # prepped dlists + xfer handles not yet released
@@ -244,6 +257,14 @@ class NixlSink:
         self._closed = False
 
     # -------------------------------------------------------------- registration
+    def mem_types(self) -> list[str]:
+        """The memory types the UCX backend can register ("DRAM", "VRAM"; VRAM only where UCX was
+        built with CUDA support, and even then registration may still fail on the device)."""
+        with self._lock:
+            self._check_open()
+            types = self._agent.get_backend_mem_types("UCX")
+        return [str(t).removesuffix("_SEG") for t in types]
+
     def register(self, arrays: Iterable[Any]) -> None:
         """Register each array's memory (numpy arrays or CPU tensors, contiguous) once."""
         regions = []
@@ -257,32 +278,45 @@ class NixlSink:
                 regions.append((int(a.ctypes.data), int(a.nbytes)))
         self.register_regions(regions)
 
-    def register_regions(self, regions: Iterable[tuple[int, int]]) -> None:
+    def register_regions(self, regions: Iterable[tuple[int, int]], mem: str = "DRAM", device: int = 0) -> None:
+        """Register each (address, nbytes) region of `mem` memory (VRAM: on CUDA device `device`) once."""
+        mem = _mem_type(mem)
+        where = f"{mem} memory" + (f" on device {device}" if mem == "VRAM" else "")
         with self._lock:
             self._check_open()
-            for addr, nbytes in regions:
-                if (addr, nbytes) in self._regs or nbytes <= 0:
-                    continue
-                try:
-                    self._regs[(addr, nbytes)] = self._agent.register_memory(reg_descs([(addr, nbytes)]), "DRAM")
-                except Exception as exc:
-                    raise TransferError(FailureCause.PROTOCOL, (
-                        f"NIXL consumer agent {self.name!r} could not register local memory "
-                        f"(0x{addr:x}, {nbytes} B): {_describe(exc)}")) from None
-            keys = sorted(self._regs)
-            self._starts = np.array([a for a, _ in keys], dtype=np.uint64)
-            self._ends = np.array([a + n for a, n in keys], dtype=np.uint64)
+            try:
+                for addr, nbytes in regions:
+                    key = (mem, int(device), int(addr), int(nbytes))
+                    if key in self._regs or nbytes <= 0:
+                        continue
+                    try:
+                        self._regs[key] = self._agent.register_memory(reg_descs([(addr, nbytes)], device), mem)
+                    except Exception as exc:
+                        raise TransferError(FailureCause.PROTOCOL, (
+                            f"NIXL consumer agent {self.name!r} could not register local {where} "
+                            f"(0x{addr:x}, {nbytes} B): {_describe(exc)}")) from None
+            finally:  # what did register stays registered (deregistered at close) and in the range check
+                self._index_locked()
 
-    def _check_local(self, addrs: np.ndarray, length: int) -> None:
-        starts, ends = self._starts, self._ends
+    def _index_locked(self) -> None:
+        spans: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for mem, dev, addr, nbytes in sorted(self._regs):
+            spans.setdefault((mem, dev), []).append((addr, addr + nbytes))
+        self._ranges = {k: (np.array([a for a, _ in v], dtype=np.uint64), np.array([e for _, e in v], dtype=np.uint64))
+                        for k, v in spans.items()}
+
+    def _check_local(self, addrs: np.ndarray, lengths: np.ndarray, mem: str = "DRAM", device: int = 0) -> None:
+        starts, ends = self._ranges.get((mem, device), (np.empty(0, np.uint64), np.empty(0, np.uint64)))
         if starts.size == 0:
-            raise TransferError(FailureCause.PROTOCOL, "no local memory is registered with the NIXL consumer agent")
+            where = f"{mem} memory" + (f" on device {device}" if mem == "VRAM" else "")
+            raise TransferError(FailureCause.PROTOCOL, f"no local {where} is registered with the NIXL consumer agent")
         i = np.searchsorted(starts, addrs, side="right") - 1
-        ok = (i >= 0) & (addrs + np.uint64(length) <= ends[np.maximum(i, 0)])
+        ok = (i >= 0) & (addrs + lengths <= ends[np.maximum(i, 0)])
         if not ok.all():
-            bad = int(addrs[~ok][0])
+            k = int(np.flatnonzero(~ok)[0])
             raise TransferError(FailureCause.PROTOCOL, (
-                f"destination block at 0x{bad:x} (+{length} B) is outside the memory registered with NIXL"))
+                f"destination block at 0x{int(addrs[k]):x} (+{int(lengths[k])} B) is outside the memory "
+                f"registered with NIXL as {mem}"))
 
     # -------------------------------------------------------------- peers
     def _peer(self, key: str, meta: bytes) -> str:
@@ -349,27 +383,43 @@ class NixlSink:
     def read(self, key: str, meta: bytes, remote_addrs: np.ndarray, local_addrs: np.ndarray, length: int,
              deadline: float) -> int:
         """READ `length` bytes from each remote_addrs[i] of the producer known as `key` (its address)
-        with agent metadata `meta` into local_addrs[i]; poll until done or `deadline`."""
-        remote_addrs = np.asarray(remote_addrs, dtype=np.uint64)
-        local_addrs = np.asarray(local_addrs, dtype=np.uint64)
+        with agent metadata `meta` into local_addrs[i] (registered DRAM); poll until done or `deadline`."""
         n = len(local_addrs)
         if n != len(remote_addrs) or n == 0 or length <= 0:
             raise TransferError(FailureCause.PROTOCOL,
                                 f"NIXL read of {len(remote_addrs)} remote and {n} local blocks of {length} B")
+        return self.read_runs(key, meta, remote_addrs, local_addrs, np.full(n, length, dtype=np.uint64), deadline)
+
+    def read_runs(self, key: str, meta: bytes, remote_addrs: np.ndarray, local_addrs: np.ndarray,
+                  lengths: np.ndarray, deadline: float, *, mem: str = "DRAM", device: int = 0) -> int:
+        """READ lengths[i] bytes from remote_addrs[i] into local_addrs[i] of registered `mem` memory
+        (VRAM: on CUDA device `device`); returns once NIXL says DONE (the bytes are there), or
+        raises. Returns the bytes read."""
+        mem = _mem_type(mem)
+        remote_addrs = np.asarray(remote_addrs, dtype=np.uint64)
+        local_addrs = np.asarray(local_addrs, dtype=np.uint64)
+        lengths = np.asarray(lengths, dtype=np.uint64)
+        n = len(local_addrs)
+        if n != len(remote_addrs) or n != len(lengths) or n == 0 or not (lengths > 0).all():
+            raise TransferError(FailureCause.PROTOCOL, (
+                f"NIXL read of {len(remote_addrs)} remote and {n} local runs with {len(lengths)} lengths "
+                f"(smallest {int(lengths.min()) if lengths.size else 0} B)"))
         if not meta:
             raise TransferError(FailureCause.PROTOCOL, f"producer {key} sent no NIXL agent metadata")
-        self._check_local(local_addrs, length)
+        self._check_local(local_addrs, lengths, mem, device)
+        total = int(lengths.sum())
         remote_name = self._peer(key, meta)
-        what = f"NIXL READ of {n} blocks ({n * length} B) from producer {key} (agent {remote_name})"
+        what = f"NIXL READ of {n} blocks ({total} B, into {mem}) from producer {key} (agent {remote_name})"
         agent = self._agent
         handles: list[Any] = []
         xfer = None
         state = "NEW"
         try:
             try:
-                loc = self._track(agent.prep_xfer_dlist("NIXL_INIT_AGENT", xfer_descs(local_addrs, length), "DRAM"))
+                loc = self._track(agent.prep_xfer_dlist("NIXL_INIT_AGENT", xfer_descs(local_addrs, lengths, device),
+                                                        mem))
                 handles.append(loc)
-                rem = self._track(agent.prep_xfer_dlist(remote_name, xfer_descs(remote_addrs, length), "DRAM"))
+                rem = self._track(agent.prep_xfer_dlist(remote_name, xfer_descs(remote_addrs, lengths), "DRAM"))
                 handles.append(rem)
                 idx = np.arange(n, dtype=np.int32)
                 xfer = self._track(agent.make_prepped_xfer("READ", loc, idx, rem, idx))
@@ -398,7 +448,7 @@ class NixlSink:
                 raise TransferError(FailureCause.PEER_UNREACHABLE, f"{what} ended in state {state}")
             with self._lock:
                 self.reads += 1
-            return n * length
+            return total
         finally:
             if xfer is not None and not self._release(xfer, active=state == "PROC"):
                 with self._lock:  # the READ may still be running: its descriptor lists stay too
@@ -468,11 +518,13 @@ class NixlSink:
             raise TransferError(FailureCause.PROTOCOL, f"NIXL consumer agent {self.name!r} is closed")
 
 
-def xfer_descs(addrs: np.ndarray, length: int) -> np.ndarray:
-    """prep_xfer_dlist's descriptors: one (address, length, device 0) row per block."""
+def xfer_descs(addrs: np.ndarray, length: int | np.ndarray, device: int = 0) -> np.ndarray:
+    """prep_xfer_dlist's descriptors: one (address, length, device) row per block or run (`length`
+    one for all, or one each; device: the CUDA index for VRAM, 0 for DRAM)."""
     d = np.zeros((len(addrs), 3), dtype=np.uint64)
     d[:, 0] = addrs
     d[:, 1] = length
+    d[:, 2] = device
     return d
 
 

@@ -4,6 +4,7 @@ Pulls (a consumer reads a staged transfer, `PullPath`):
   TcpPull  "inline" - the bytes follow the ReadReply on the control socket
   ShmPull  "shm"    - the consumer copies them out of the producer's /dev/shm arena (same host)
   NixlPull "nixl"   - the consumer READs them through NIXL (UCX) from the producer's registered arena
+  NixlDevicePull    - the same READ on the wire, straight into device (VRAM) KV blocks (label nixl_vram)
 Pushes (a producer streams layer groups into a landing store, `PushPath`):
   TcpPush  "inline" - the bytes follow the Push frame
   NixlPush "nixl"   - the landing side READs them through NIXL from the sender's arena
@@ -37,6 +38,7 @@ from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.store.arena import SHM_DIR
 from kvconnectors.store.config import _NAME_RE as SHM_NAME_RE  # a store's shm_name: its arena's file name
 from kvconnectors.transport import wire
+from kvconnectors.transport.nixl_device import DeviceRows, merge_runs
 
 if TYPE_CHECKING:
     from kvconnectors.transport.client import StoreClient
@@ -360,6 +362,36 @@ class NixlPull(_ArenaPull):
             if agent is not None:
                 agent.close()
         self.sink = self.source = None
+
+
+class NixlDevicePull(NixlPull):
+    """GPU-direct: the consumer READs the blocks straight into its device KV cache, registered
+    with its agent as VRAM (nixl_device.py). On the wire it is a nixl pull (the producer serves
+    it the same way); its bytes are counted under `nixl_vram`. `dest` is a DeviceRows, not views.
+    It cannot verify checksums (no host copy of the rows exists): asked to, it refuses the read
+    rather than skip the check. NOT VALIDATED ON HARDWARE (nixl_device.CUDA_VALIDATED)."""
+    label = "nixl_vram"
+
+    def read_into(self, sock, peer, read, reply, dest, *, deadline, sums, dest_addrs=None) -> int:
+        if not isinstance(dest, DeviceRows):
+            raise TransferError(FailureCause.PROTOCOL, f"a GPU-direct nixl read needs DeviceRows, got "
+                                                       f"{type(dest).__name__}")
+        if sums is not None:
+            raise TransferError(FailureCause.PROTOCOL, (
+                "the GPU-direct nixl path cannot verify checksums (they are computed on host rows); "
+                "a consumer that verifies uses the host path"))
+        if self.sink is None:
+            raise TransferError(FailureCause.PROTOCOL, "data_path 'nixl' needs the consumer's NIXL agent "
+                                                       "(NixlDevicePull(sink=...))")
+        if not reply.offsets or len(reply.offsets) != len(dest):
+            raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {peer} without one offset per block")
+        if not reply.nixl_agent_meta or reply.nixl_base_address <= 0:
+            raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {peer} without agent metadata")
+        remote = np.uint64(reply.nixl_base_address) + np.asarray(reply.offsets, dtype=np.uint64)
+        local, remote, lengths = merge_runs(dest.addrs, remote, dest.row_bytes)
+        # returns only once NIXL says DONE: the bytes are in the device blocks when the load is reported
+        return self.sink.read_runs(peer, reply.nixl_agent_meta, remote, local, lengths, deadline,
+                                   mem="VRAM", device=dest.device)
 
 
 TCP_PULL, SHM_PULL = TcpPull(), ShmPull()

@@ -67,6 +67,7 @@ def test_what_the_stats_record_reaches_each_declared_interval_metric(registry) -
     stats = TieredStats()
     stats.record_transfer({"shm": 10, "tcp": 1}, 0.01)
     stats.record_path_fallback("shm", "tcp")
+    stats.record_nixl_vram_fallback("registration")
     stats.record_staged(4096, 2)
     stats.record_retry("timeout")
     stats.record_push(4096)
