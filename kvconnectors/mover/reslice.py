@@ -146,18 +146,17 @@ def _check_range(rl: RowLayout, heads: HeadRange, field: str) -> None:
 
 
 def _heads_view(rows: Rows, rl: RowLayout, field: str) -> Rows:
-    """rows as [n, outer, H, inner] without copying (writes through to `rows`)."""
+    """rows as [n, outer, H, inner] without copying (writes through to `rows`, e.g. a cache's rows)."""
     if rows.ndim != 2 or rows.shape[1] != rl.row_bytes:
         raise HeadSplitError(field, tuple(rows.shape), f"is not [rows, {rl.row_bytes}] ({rl.describe()})")
     shape = (rows.shape[0], rl.outer, rl.heads, rl.inner)
     if isinstance(rows, torch.Tensor):
         if rows.dtype != torch.uint8 or rows.stride(1) != 1:
             raise HeadSplitError(field, f"{rows.dtype} strides {rows.stride()}", "rows must be dense uint8")
-        return rows.as_strided(shape, (rows.stride(0), rl.heads * rl.inner, rl.inner, 1))
+        return rows.view(shape)
     if rows.dtype != np.uint8 or rows.strides[1] != 1:
         raise HeadSplitError(field, f"{rows.dtype} strides {rows.strides}", "rows must be dense uint8")
-    return np.lib.stride_tricks.as_strided(rows, shape, (rows.strides[0], rl.heads * rl.inner, rl.inner, 1),
-                                           writeable=rows.flags.writeable)
+    return rows.reshape(shape)  # splits the dense byte axis only: always a view, even of padded rows
 
 
 def copy_heads(src: Rows, src_layout: RowLayout, src_heads: HeadRange, dst: Rows, dst_layout: RowLayout,

@@ -337,3 +337,12 @@ def test_row_layout_orders_axes_like_the_physical_block():
     assert axes("LBNHC") == axes("BLNHC") == ["S", "N", "H", "C"]
     assert axes("LHBNC") == ["H", "S", "N", "C"]
     assert isinstance(row_layout("LBHNC", heads=1, tokens=N, content_bytes=8), RowLayout)
+
+
+def test_a_geometry_whose_axes_contradict_its_layout_is_refused():
+    import dataclasses
+    g = describe(full_cache("LBHNC", 2), "LBHNC")
+    geometry_row_layout(g)
+    with pytest.raises(UnsupportedKVCache) as e:  # says NHD, holds [H=2, N=4, C] blocks
+        geometry_row_layout(dataclasses.replace(g, layout="LBNHC"))
+    assert "LBNHC" in str(e.value) and "bfloat16" in str(e.value)
