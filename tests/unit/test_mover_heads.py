@@ -128,8 +128,11 @@ def test_head_map_refuses_what_vllm_cannot_split(heads, tp):
     assert (type(twin), twin.field, twin.value, str(twin)) == (HeadSplitError, "tp_size", tp, str(e.value))
 
 
-@pytest.mark.parametrize("kw,field", [({"producer_tp": 0}, "producer_tp"), ({"consumer_rank": 2}, "consumer_rank"),
-                                      ({"total_kv_heads": 0}, "total_kv_heads"), ({"consumer_rank": -1}, "consumer_rank")])
+BAD_ARGS = [({"producer_tp": 0}, "producer_tp"), ({"total_kv_heads": 0}, "total_kv_heads"),
+            ({"consumer_rank": 2}, "consumer_rank"), ({"consumer_rank": -1}, "consumer_rank")]
+
+
+@pytest.mark.parametrize("kw,field", BAD_ARGS)
 def test_slice_plan_names_the_bad_argument(kw, field):
     args = {"producer_tp": 2, "consumer_tp": 2, "total_kv_heads": 4, "consumer_rank": 0} | kw
     with pytest.raises(HeadSplitError) as e:
