@@ -3,8 +3,8 @@
 The byte geometry (where each block's bytes live, for every KVCacheLayout, on cpu or cuda) is
 the mover's (kvconnectors/mover/geometry.py). Blocks move as opaque bytes, never sliced per
 token: on vLLM's CPU backend a block's interior is kernel-packed (K transposed, AMX tiles for
-bf16), so the attention backend is part of what the bytes mean, beside the physical layout,
-dtype, block shape and model.
+bf16), so the attention backend, and on CPU its ISA packing, are part of what the bytes mean,
+beside the physical layout, dtype, block shape and model.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class KVLayout:
     model: str = ""                 # served model name: same-shaped but different models must not mix
     backend: str = "unknown"        # attention backend: it decides what a block's bytes mean
     cache_dtype: str = "auto"       # vLLM's kv_cache_dtype (fp8 variants differ in meaning)
+    packing: str = ""               # CPU_ATTN: the ISA packing of a block's interior (amx, vec, vec16, ...)
 
     @property
     def num_layers(self) -> int:
@@ -43,7 +44,8 @@ class KVLayout:
         return {"layers": list(self.layer_names), "block_size": self.block_size,
                 "block_shape": list(self.block_shape), "dtype": self.dtype, "block_bytes": self.block_bytes,
                 "cache_layout": self.cache_layout, "tp_size": self.tp_size, "model": self.model,
-                "backend": self.backend, "cache_dtype": self.cache_dtype}
+                "backend": self.backend, "cache_dtype": self.cache_dtype,
+                **({"packing": self.packing} if self.packing else {})}
 
     @property
     def fingerprint(self) -> str:
@@ -65,7 +67,19 @@ def layout_of(geometry: BlockGeometry, block_size: int, tp_size: int = 1, tp_ran
                     cache_layout=layout, device=geometry.device, tp_size=tp_size, tp_rank=tp_rank,
                     model=model, backend=geometry.backend,
                     # plain float dtypes are said by `dtype`; only fp8's flavour adds meaning
-                    cache_dtype=geometry.cache_dtype if geometry.cache_dtype.startswith("fp8") else "auto")
+                    cache_dtype=geometry.cache_dtype if geometry.cache_dtype.startswith("fp8") else "auto",
+                    packing=cpu_attention_packing(geometry, block_size) if geometry.backend == "CPU_ATTN" else "")
+
+
+def cpu_attention_packing(geometry: BlockGeometry, block_size: int) -> str:
+    """How vLLM's CPU attention packs a block's interior on this machine: per ISA (AMX tiles for
+    bf16, vector layouts otherwise), so the same layout and dtype hold different bytes on a CPU
+    with another ISA, and a prefill on one with a decode on the other would read garbage KV."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # vLLM's own choice, same arguments
+
+    head_size = geometry.block_shape[-1] // 2  # a CPU block's content is K and V of one head
+    cache_dtype = None if geometry.cache_dtype == "auto" else geometry.cache_dtype
+    return _get_attn_isa(getattr(torch, geometry.dtype), block_size, head_size, cache_dtype)
 
 
 def detect_layout(kv_caches: dict[str, torch.Tensor], block_size: int, cache_layout: str = "unknown",

@@ -34,3 +34,19 @@ def test_backend_and_fp8_flavour_change_the_meaning_the_device_does_not() -> Non
     e4m3 = fingerprint("LBHNC", cache_dtype="fp8_e4m3", dtype=torch.uint8)
     assert e4m3 != fingerprint("LBHNC", cache_dtype="fp8_e5m2", dtype=torch.uint8)
     assert fingerprint("LBHNC", cache_dtype="bfloat16") == base  # plain dtypes: the tensor's says it
+
+
+def test_cpu_attention_isa_packing_is_part_of_the_meaning(monkeypatch) -> None:
+    """AMX and vector packings of the same CPU block differ byte for byte: a prefill on an AMX host
+    and a decode on one without must not exchange KV."""
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    caches = synthetic_caches("LBHNC", num_layers=2, num_blocks=4, heads=2, block_size=32, content=64,
+                              dtype=torch.bfloat16, device="cpu")
+    here = detect_layout(caches, 32, "LBHNC", backend="CPU_ATTN")[0]
+    assert here.packing == cpu_attn._get_attn_isa(torch.bfloat16, 32, 32, None)
+    other = "vec" if here.packing == "amx" else "amx"
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: other)
+    there = detect_layout(caches, 32, "LBHNC", backend="CPU_ATTN")[0]
+    assert there.packing == other and there.fingerprint != here.fingerprint
+    assert detect_layout(caches, 32, "LBHNC", backend="FLASH_ATTN")[0].packing == ""  # GPU backends: none
