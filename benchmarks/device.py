@@ -32,6 +32,9 @@ a staged row in the store's arena first: that run must fail.
 
 Imports torch, numpy and kvconnectors.mover / kvconnectors.store (msgspec, xxhash): no vLLM.
 
+LayoutRun (the caches, store, Stager, Loader, the plain copies and their per-path checks) is also
+what `kvconnectors bench transfer --paths mover` times, on CPU caches of its preset's geometry.
+
 Usage:  python -m kvconnectors.benchmarks.device --device cpu --quick
         kvconnectors bench device --device cuda --layout all --blocks 256
 """
@@ -96,9 +99,16 @@ class Clock:
 
 
 class LayoutRun:
-    """Source and destination caches of one layout, a store, a Stager and a Loader, and the plain copies."""
+    """Source and destination caches of one layout, a store, a Stager and a Loader, and the plain copies.
+    Shared by `bench device` (MODEL's shape, any device) and `bench transfer`'s mover rows (the preset's
+    shape on CPU, its block table): `heads`, `block_size`, `content` and `dtype` shape the caches
+    (FlashAttention: content = 2 x head size), `ids` are the moved blocks of `cache_blocks` per layer
+    (default: a random `blocks` of 2 x blocks)."""
 
-    def __init__(self, layout: str, device: str, num_layers: int, blocks: int, seed: int):
+    def __init__(self, layout: str, device: str, num_layers: int, blocks: int, seed: int, *,
+                 heads: int = MODEL["kv_heads"], block_size: int = MODEL["block_size"],
+                 content: int = MODEL["content"], dtype: Any = None, backend: str = MODEL["backend"],
+                 ids: Any = None, cache_blocks: int | None = None):
         import torch
 
         from kvconnectors.mover import Loader, Stager, describe_kv_caches, ops_for
@@ -109,24 +119,30 @@ class LayoutRun:
         self.torch, self.layout, self.device = torch, layout, device
         self.cuda = device == "cuda"
         self.num_layers, self.blocks = num_layers, blocks
-        shape = dict(num_layers=num_layers, num_blocks=2 * blocks, heads=MODEL["kv_heads"],
-                     block_size=MODEL["block_size"], content=MODEL["content"], dtype=torch.bfloat16, device=device)
+        self.cache_blocks = cache_blocks or 2 * blocks
+        shape = dict(num_layers=num_layers, num_blocks=self.cache_blocks, heads=heads, block_size=block_size,
+                     content=content, dtype=torch.bfloat16 if dtype is None else dtype, device=device)
         self.src = synthetic_caches(layout, seed=seed, **shape)
         self.dst = synthetic_caches(layout, seed=seed + 1, **shape)
-        kw = dict(block_size=MODEL["block_size"], layout=layout, backend=MODEL["backend"], cache_dtype="auto")
+        kw = dict(block_size=block_size, layout=layout, backend=backend, cache_dtype="auto")
         self.g = describe_kv_caches(self.src, **kw)
         self.gd = describe_kv_caches(self.dst, **kw)
         self.ops = ops_for(self.g.device)
         self.rows_n = num_layers * blocks
         self.nbytes = self.rows_n * self.g.block_bytes
-        # room for two entries: the one being staged and the one a load reads (ttl: never expires here)
+        # room for two entries: the one being staged and one more (a kept or verifying entry; ttl: never expires here)
         self.store = TieredStore(StoreConfig(slot_bytes=self.g.block_bytes, dram_bytes=2 * self.nbytes,
                                              lease_ttl_s=86400.0))
         self.stager = Stager(self.g, self.store, self.ops)
         self.loader = Loader(self.gd, self.ops)
-        rng = np.random.default_rng(seed)
-        self.ids_np = rng.permutation(2 * blocks)[:blocks].astype(np.int64)  # a scattered block table
+        if ids is None:
+            ids = np.random.default_rng(seed).permutation(self.cache_blocks)[:blocks]  # a scattered block table
+        self.ids_np = np.asarray(ids, dtype=np.int64)
+        if self.ids_np.shape != (blocks,) or np.unique(self.ids_np).size != blocks \
+                or not 0 <= self.ids_np.min() <= self.ids_np.max() < self.cache_blocks:
+            raise ValueError(f"ids must be {blocks} distinct block ids below {self.cache_blocks}")
         self.ids = self.ops.index(self.ids_np)
+        self.others_np = np.setdiff1d(np.arange(self.cache_blocks), self.ids_np)
         self.layers = list(range(num_layers))
         inner = tuple(self.g.views[0].shape[1:])
         self.host = torch.empty((num_layers, blocks, *inner), dtype=torch.uint8, pin_memory=self.cuda)
@@ -135,6 +151,9 @@ class LayoutRun:
         self.stream = getattr(self.ops, "stream", None)
         self.clock = Clock(torch, self.cuda, self.stream)
         self._keys = itertools.count()
+        self._keep = False  # armed by clear("stage"/"stage_raw"): the next stage keeps its entry for check()
+        self.kept: tuple[str, Any, bool] | None = None  # (key, checksums, checksummed) of that entry
+        self._untouched: list[Any] | None = None
         # the rows every load moves: one staged entry, read back once
         key = self._stage_entry()
         self.store.read_into(key, self.layers, 0, self.rows)
@@ -154,11 +173,16 @@ class LayoutRun:
 
         def run() -> None:
             self.sums = self.stager.complete(self.stager.stage(key, self.layers, 0, self.ids_np))
+        keep, self._keep = self._keep, False
         try:
             return self.clock.time(run)
         finally:
             self.store.seal(key)
-            self.store.release(key)
+            if keep:
+                self._drop_kept()
+                self.kept = (key, self.sums, self.stager.checksum)
+            else:
+                self.store.release(key)
 
     def stage_raw(self) -> float:
         self.stager.checksum = False
@@ -197,6 +221,98 @@ class LayoutRun:
                 for layer in self.layers:
                     self.gd.views[layer].numpy()[ids] = self.rows_t[layer].numpy()
         return self.clock.time(run)
+
+    # -------------------------------------------------------------------------------- per-path checks
+    # (bench transfer: clear(path), one timed run of the path, check(path) -> problems, [] when byte-exact)
+    MOVED = {"stage": "store", "stage_raw": "store", "gather": "host", "load": "dst", "scatter": "dst"}
+
+    def clear(self, path: str) -> None:
+        """Make the next run of `path` land on known-wrong bytes, so check() sees what it moved."""
+        where = self.MOVED[path]
+        if where == "store":
+            self._keep = True
+        elif where == "host":
+            self.host.fill_(0xA5)
+        else:
+            for v in self.gd.views:
+                v.index_fill_(0, self.ids, 0xA5)
+            other_ids = self.ops.index(self.others_np)
+            self._untouched = [v.index_select(0, other_ids).clone() for v in self.gd.views]
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def check(self, path: str, corrupt: bool = False) -> list[str]:
+        """Problems with what the last run of `path` landed ([] = byte-exact): gather's host tensor and
+        stage's entry (read back from the store) must equal the source's blocks (and, checksummed, match
+        the sums Stager.complete gave); load's and scatter's destination blocks must equal the rows, the
+        other blocks unchanged. corrupt (stage paths; the negative control) flips a byte of the entry first."""
+        torch = self.torch
+        if self.cuda:
+            torch.cuda.synchronize()
+        where = self.MOVED[path]
+        if where == "host":
+            return self._differ(path, [self.g.views[i].index_select(0, self.ids) for i in self.layers],
+                                [self.host[i] for i in self.layers], "source")
+        if where == "dst":
+            problems = self._differ(path, [self.rows_t[i] for i in self.layers],
+                                    [self.gd.views[i].index_select(0, self.ids) for i in self.layers], "rows")
+            if self._untouched is not None:
+                other_ids = self.ops.index(self.others_np)
+                problems += [f"{path}: layer {i}: blocks that were not moved changed" for i in self.layers
+                             if not torch.equal(self.gd.views[i].index_select(0, other_ids), self._untouched[i])]
+            self._untouched = None
+            return problems
+        if self.kept is None:
+            return [f"{path}: no staged entry was kept to check (clear('{path}') before the run)"]
+        key, sums, checksummed = self.kept
+        if corrupt:
+            self.flip_staged(key)
+        rows = self.loader.landing_buffer(self.rows_n)
+        try:
+            self.store.read_into(key, self.layers, 0, rows)
+            got = torch.from_numpy(rows).view(self.host.shape)
+            problems = self._differ(path, [self.g.views[i].index_select(0, self.ids) for i in self.layers],
+                                    [got[i] for i in self.layers], "source")
+            if checksummed:
+                problems += self._bad_sums(path, rows, sums)
+        finally:
+            self.loader.release_buffer(rows)
+            self._drop_kept()
+        return problems
+
+    def flip_staged(self, key: str) -> dict[str, int]:
+        """The negative control: flip byte 17 of the middle layer's middle block of a staged entry in the arena."""
+        layer, j = self.num_layers // 2, self.blocks // 2
+        with self.store.pinned_views(key) as pv:
+            slot = pv.slot_index(layer, j)
+        self.store.arena_slots()[slot, 17] ^= 0x01
+        return {"layer": layer, "block": int(self.ids_np[j]), "byte": 17}
+
+    def _bad_sums(self, what: str, rows: np.ndarray, sums: Any) -> list[str]:
+        import xxhash
+
+        n = self.blocks
+        bad = [(k // n, int(self.ids_np[k % n])) for k in range(self.rows_n)
+               if xxhash.xxh3_64_intdigest(rows[k]) != int(sums.reshape(-1)[k])]
+        return [f"{what}: {len(bad)} row(s) read back from the store do not match the checksum Stager.complete "
+                f"returned (first: layer {bad[0][0]}, block {bad[0][1]})"] if bad else []
+
+    def _differ(self, what: str, want: list[Any], got: list[Any], of: str) -> list[str]:
+        """Per layer, the moved blocks of `got` that are not byte-equal to `want` (uint8 [blocks, ...])."""
+        n, torch, out = self.blocks, self.torch, []
+        for layer, (w, g) in enumerate(zip(want, got)):
+            w, g = w.reshape(n, -1), g.reshape(n, -1)
+            if not torch.equal(w, g):  # uint8: exact
+                per_block = (w != g).sum(dim=1).cpu().numpy()
+                bad = np.flatnonzero(per_block)
+                out.append(f"{what}: layer {layer}: {bad.size} of {n} moved blocks differ from the {of} (first: "
+                           f"block {int(self.ids_np[bad[0]])}, {int(per_block[bad[0]])} byte(s))")
+        return out
+
+    def _drop_kept(self) -> None:
+        if self.kept is not None:
+            self.store.release(self.kept[0])
+            self.kept = None
 
     # -------------------------------------------------------------------------------- CUDA only
     def peaks(self, iters: int) -> dict[str, float | None]:
@@ -269,56 +385,37 @@ class LayoutRun:
     # -------------------------------------------------------------------------------- verification
     def verify(self, corrupt: bool) -> dict[str, Any]:
         """Scribble the target blocks, stage them, read them back, load them: byte-exact or problems."""
-        import xxhash
-
         torch = self.torch
         n = self.blocks
-        others = np.setdiff1d(np.arange(2 * n), self.ids_np)
-        other_ids = self.ops.index(others)
-        for v in self.gd.views:
-            v.index_fill_(0, self.ids, 0xA5)
-        untouched = [v.index_select(0, other_ids).clone() for v in self.gd.views]
+        self.clear("load")  # the destination's target blocks scribbled, the others remembered
         key = f"e{next(self._keys)}"
         self.store.create(key, self.num_layers, n)
         sums = self.stager.complete(self.stager.stage(key, self.layers, 0, self.ids_np))
         self.store.seal(key)
-        flipped = None
-        if corrupt:  # the negative control: one staged byte goes bad in host memory
-            layer, j = self.num_layers // 2, n // 2
-            with self.store.pinned_views(key) as pv:
-                slot = pv.slot_index(layer, j)
-            self.store.arena_slots()[slot, 17] ^= 0x01
-            flipped = {"layer": layer, "block": int(self.ids_np[j]), "byte": 17}
+        flipped = self.flip_staged(key) if corrupt else None  # the negative control: one staged byte goes bad
         rows = self.loader.landing_buffer(self.rows_n)
         try:
             self.store.read_into(key, self.layers, 0, rows)
-            bad_rows = [(k // n, int(self.ids_np[k % n])) for k in range(self.rows_n)
-                        if xxhash.xxh3_64_intdigest(rows[k]) != int(sums.reshape(-1)[k])]
+            bad_sums = self._bad_sums("store", rows, sums)
             self.loader.load(rows, self.layers, self.ids_np).wait()
         finally:
             self.loader.release_buffer(rows)
             self.store.release(key)
         if self.cuda:
             torch.cuda.synchronize()
-        problems = []
-        for layer in self.layers:
-            s = self.g.views[layer].index_select(0, self.ids).reshape(n, -1)
-            d = self.gd.views[layer].index_select(0, self.ids).reshape(n, -1)
-            if not torch.equal(s, d):  # uint8: exact
-                diff = (s != d)
-                per_block = diff.sum(dim=1).cpu().numpy()
-                bad = np.flatnonzero(per_block)
-                problems.append(f"layer {layer}: {bad.size} of {n} moved blocks differ from the source (first: "
-                                f"block {int(self.ids_np[bad[0]])}, {int(per_block[bad[0]])} byte(s))")
-            if not torch.equal(self.gd.views[layer].index_select(0, other_ids), untouched[layer]):
-                problems.append(f"layer {layer}: blocks that were not moved changed")
-        if bad_rows:
-            problems.append(f"{len(bad_rows)} row(s) read back from the store do not match the checksum "
-                            f"Stager.complete returned (first: layer {bad_rows[0][0]}, block {bad_rows[0][1]})")
+        problems = [p.split(": ", 1)[1] for p in
+                    self._differ("dst", [self.g.views[i].index_select(0, self.ids) for i in self.layers],
+                                 [self.gd.views[i].index_select(0, self.ids) for i in self.layers], "source")]
+        other_ids = self.ops.index(self.others_np)
+        problems += [f"layer {i}: blocks that were not moved changed" for i in self.layers
+                     if not torch.equal(self.gd.views[i].index_select(0, other_ids), self._untouched[i])]
+        self._untouched = None
+        problems += [p.split(": ", 1)[1] for p in bad_sums]
         return {"ok": not problems, "problems": problems, "bytes": self.nbytes, "checksummed_rows": self.rows_n,
                 "corrupted": flipped}
 
     def close(self) -> None:
+        self._drop_kept()
         self.loader.release_buffer(self.rows)
         self.ops.close()  # CUDA: drains the copy stream and unregisters the arena before it is unmapped
         self.store.close()

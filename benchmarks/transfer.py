@@ -1,8 +1,9 @@
 """Transfer microbenchmark: the KV of N tokens, moved side by side in one run through
 
   limits   memcpy       numpy copyto of the whole payload into one contiguous buffer (1 thread)
-           gather       the realistic block scatter: each (layer, block) slot into a non-contiguous
-                        KV-cache block (numpy fancy-index copy, 1 thread)
+           gather       the realistic block scatter (the name is historical: it writes INTO the
+                        cache): each (layer, block) slot into a non-contiguous KV-cache block (numpy
+                        fancy-index copy, 1 thread)
            socket       raw TCP loopback between two processes, sendall / recv_into one contiguous
                         buffer: the ceiling for our tcp
   ours     tcp          StoreClient.read(path=TCP_PULL) from a producer's TieredStore served by
@@ -15,6 +16,20 @@
                         once, progress threads off: the initiator polls the transfer tightly, the
                         target progresses its worker with our server's backoff policy while it runs
            mooncake     Mooncake TransferEngine, protocol tcp, P2PHANDSHAKE, batch_transfer_sync_read
+  mover    (--paths mover, or all; not in the default set: torch and ~4x the payload in memory; CPU)
+           plain_gather  limit: torch.index_select of the moved blocks OUT of the cache into a host
+                        tensor, per layer: what staging is put against
+           stage        kvconnectors.mover Stager.stage + complete into a real TieredStore's arena:
+                        one batched gather per layer (copy thread), xxh3 of every row, commit
+           stage_raw    the same with the Stager's checksums off: the mover's own cost
+           plain_scatter  limit: numpy fancy assignment of host rows INTO the moved blocks, per layer:
+                        what loading is put against
+           load         Loader.load + its event: one batched scatter per layer from host rows
+  These run in this process on vLLM-shaped CPU caches of the same geometry (KVCacheLayout --layout,
+  default LBHNC, vLLM's CPU layout; kvconnectors.mover.shapes.synthetic_caches; one allocation, twice
+  the request's blocks, the same target block ids), through benchmarks/device.py's LayoutRun (what
+  `kvconnectors bench device` times). Ratios stage / plain_gather and load / plain_scatter (target
+  >= 0.9, issue #14) are in the comparisons and under "mover" in the JSON.
 
 Layout (identical for every path): the producer holds the payload as num_layers x num_blocks slots
 (slot = one (layer, block) = block_tokens x kv_heads x head_dim x 2 (K, V) x dtype bytes); the consumer
@@ -28,7 +43,11 @@ process is the consumer. Iterations are round-robin over the paths (the start ro
 machine noise hits all paths alike. Our entries are re-staged before each pull, off the clock (a pull
 releases its entry). The first round is a warm-up (connections, NIXL wire-up, page faults) that is
 not timed; in it every path's destination is cleared first and the landed bytes are verified (the
-target blocks equal the payload, the other KV blocks stay zero).
+target blocks equal the payload, the other KV blocks stay zero; mover paths: the staged entry read
+back from the store equals the source blocks and matches stage's checksums, the loaded / scattered
+blocks equal the rows and the other blocks are unchanged, the gathered host tensor equals the source).
+--corrupt (the negative control) flips one byte of the warm-up's staged entry in the arena before it
+is checked: stage / stage_raw must then fail verification (exit 1).
 
 Timed: for ours, everything the worker does for one pull (build the block views, connect + handshake,
 Read, data, checksum verification unless --no-checksum, Release); for raw NIXL make_prepped_xfer +
@@ -36,6 +55,7 @@ transfer + polling to DONE + handle release; for Mooncake the batch_transfer_syn
 
 Usage:  python -m kvconnectors.benchmarks.transfer --preset 8b --tokens 2048 --block-tokens 16 --iters 5
         kvconnectors bench transfer --preset tiny --tokens 256 --paths memcpy,socket,tcp,shm
+        kvconnectors bench transfer --preset 8b --tokens 1024 --paths mover
 """
 
 from __future__ import annotations
@@ -53,8 +73,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from kvconnectors.benchmarks.common import (DEFAULT_OUT, add_results_argument, bar_chart, host_info, module_main,
-                                            progress, publish, ratio, setup_env, summarize, table)
+from kvconnectors.benchmarks.common import (DEFAULT_OUT, add_results_argument, bar_chart, fmt, host_info,
+                                            module_main, progress, publish, ratio, setup_env, summarize, table)
 
 setup_env()  # before anything can load NIXL / UCX / Mooncake; spawned children inherit it
 
@@ -123,19 +143,31 @@ PATHS: dict[str, PathInfo] = {
     "nixl_direct": PathInfo("engine", "NIXL UCX READ agent-to-agent, prepped dlists", True, "nixl"),
     "mooncake": PathInfo("engine", "Mooncake TransferEngine tcp, P2PHANDSHAKE, sync batch read", True,
                          "mooncake"),
+    "plain_gather": PathInfo("limit", "torch.index_select of the blocks out of the cache into a host tensor",
+                             False, "torch"),
+    "stage": PathInfo("mover", "Stager.stage+complete -> TieredStore arena, xxh3 of every row", False, "torch"),
+    "stage_raw": PathInfo("mover", "stage with the Stager's checksums off: the mover's own cost", False, "torch"),
+    "plain_scatter": PathInfo("limit", "numpy fancy assignment of host rows into the blocks", False, "torch"),
+    "load": PathInfo("mover", "Loader.load + event: one scatter per layer from host rows", False, "torch"),
 }
-COMPARISONS = (("tcp", "socket", 0.8), ("tcp_aead", "tcp", 0.5), ("shm", "memcpy", 0.5), ("nixl", "nixl_direct", 0.9))
-KIND_COLOR = {"limit": "#9e9e9e", "ours": "#1f77b4", "engine": "#ff7f0e"}
+# mover rows: the benchmarks/device.py LayoutRun method each one times
+MOVER = {"plain_gather": "gather", "stage": "stage", "stage_raw": "stage_raw", "plain_scatter": "scatter",
+         "load": "load"}
+STAGE_PATHS = ("stage", "stage_raw")
+GROUPS = {"default": [p for p in PATHS if p not in MOVER], "mover": list(MOVER), "all": list(PATHS)}
+COMPARISONS = (("tcp", "socket", 0.8), ("tcp_aead", "tcp", 0.5), ("shm", "memcpy", 0.5), ("nixl", "nixl_direct", 0.9),
+               ("stage", "plain_gather", 0.9), ("stage_raw", "plain_gather", 0.9), ("load", "plain_scatter", 0.9))
+KIND_COLOR = {"limit": "#9e9e9e", "ours": "#1f77b4", "engine": "#ff7f0e", "mover": "#2ca02c"}
 
 
 def parse_paths(text: str | list[str]) -> list[str]:
+    """Path names and groups (default, mover, all), comma-separated or a list, in order, each once."""
     names = text if isinstance(text, list) else [p.strip() for p in text.split(",") if p.strip()]
-    if names == ["all"]:
-        return list(PATHS)
-    bad = [n for n in names if n not in PATHS]
+    bad = [n for n in names if n not in PATHS and n not in GROUPS]
     if bad or not names:
-        raise ValueError(f"unknown path(s) {bad or text!r}; choose from {', '.join(PATHS)} or 'all'")
-    return list(dict.fromkeys(names))
+        raise ValueError(f"unknown path(s) {bad or text!r}; choose from {', '.join(PATHS)} or a group: "
+                         f"{', '.join(GROUPS)}")
+    return list(dict.fromkeys(p for n in names for p in GROUPS.get(n, [n])))
 
 
 def why_unavailable(need: str) -> str | None:
@@ -144,6 +176,11 @@ def why_unavailable(need: str) -> str | None:
 
         why = nixl_import_error()
         return None if why is None else f"NIXL does not import here ({why}); {INSTALL_HINT}"
+    if need == "torch":
+        try:
+            import torch  # noqa: F401
+        except Exception as exc:
+            return f"torch does not import here ({type(exc).__name__}: {exc}); the mover paths need it"
     if need == "mooncake":
         try:
             from mooncake.engine import TransferEngine  # noqa: F401
@@ -362,8 +399,11 @@ class Producer:
 class Consumer:
     """The consumer's buffers and one `run_<path>()` per path (each returns the timed seconds)."""
 
-    def __init__(self, geom: Geometry, checksum: bool, seed: int, producer: Producer | None, paths: list[str]):
+    def __init__(self, geom: Geometry, checksum: bool, seed: int, producer: Producer | None, paths: list[str],
+                 layout: str = "LBHNC", corrupt: bool = False):
         self.geom, self.checksum, self.producer = geom, checksum, producer
+        self.seed, self.layout, self.corrupt = seed, layout, corrupt
+        self.mover: Any = None  # benchmarks.device.LayoutRun, built by the first mover path's setup
         self._mm_payload, self.payload = make_payload(geom, seed)
         self.flat_payload = self.payload.reshape(-1)
         rng = np.random.default_rng(seed + 1)
@@ -376,7 +416,7 @@ class Consumer:
             m, self.flat_dst = aligned(geom.total_bytes)
             self._keep.append(m)
         self.kv: list[np.ndarray] = []
-        if any(p not in ("memcpy", "socket") for p in paths):
+        if any(p not in ("memcpy", "socket") and p not in MOVER for p in paths):
             for _ in range(geom.num_layers):  # one allocation per layer, like vLLM's per-layer tensors
                 m, a = aligned(geom.kv_blocks * geom.slot_bytes)
                 self._keep.append(m)
@@ -409,6 +449,35 @@ class Consumer:
             self._setup_nixl_direct(*info["nixl_direct"])
         elif path == "mooncake":
             self._setup_mooncake(*info["mooncake"])
+        elif path in MOVER and self.mover is None:
+            self._setup_mover()
+
+    def _setup_mover(self) -> None:
+        """vLLM-shaped CPU caches of this geometry, a TieredStore, a Stager and a Loader (bench device's LayoutRun)."""
+        import torch
+
+        from kvconnectors.benchmarks.device import LayoutRun, _layouts
+
+        g = self.geom
+        dtypes = {4: torch.float32, 2: torch.bfloat16}
+        if g.model.dtype_bytes not in dtypes:
+            raise ValueError(f"mover paths: no {g.model.dtype_bytes}-byte KV dtype here (fp32 and bf16 only)")
+        (layout,) = _layouts(self.layout)
+        self.mover = LayoutRun(layout, "cpu", g.num_layers, g.num_blocks, self.seed, heads=g.model.kv_heads,
+                               block_size=g.block_tokens, content=2 * g.model.head_dim,
+                               dtype=dtypes[g.model.dtype_bytes], ids=self.targets, cache_blocks=g.kv_blocks)
+        if self.mover.g.block_bytes != g.slot_bytes or self.mover.nbytes != g.total_bytes:
+            raise AssertionError(f"mover caches: {self.mover.g.block_bytes} bytes per block, {self.mover.nbytes} "
+                                 f"per transfer; the geometry says {g.slot_bytes} and {g.total_bytes}")
+
+    def mover_info(self) -> dict[str, Any] | None:
+        r = self.mover
+        if r is None:
+            return None
+        return {"layout": r.layout, "device": "cpu", "ops": type(r.ops).__name__, "geometry": r.g.describe(),
+                "all_layer_gather": r.stager.all_layer_gather, "arena_pinned": r.stager.arena_pinned,
+                "bytes_per_transfer": r.nbytes, "cache_blocks_per_layer": r.cache_blocks,
+                "source": "synthetic_caches (seeded random bytes), not the payload"}
 
     def _setup_nixl_direct(self, meta: bytes, remote_base: int) -> None:
         from kvconnectors.transport import nixl as nx
@@ -457,6 +526,9 @@ class Consumer:
         self.mc_len = [g.slot_bytes] * g.num_slots
 
     def close(self) -> None:
+        if self.mover is not None:
+            self.mover.close()
+            self.mover = None
         if self.sock is not None:
             self.sock.close()
         if self.sink is not None:
@@ -481,13 +553,21 @@ class Consumer:
 
     # ------------------------------------------------------------------ destination checks
     def clear(self, path: str) -> None:
-        if path in ("memcpy", "socket"):
+        if path in MOVER:
+            self.mover.clear(MOVER[path])
+        elif path in ("memcpy", "socket"):
             self.flat_dst[:] = 0
         else:
             for a in self.kv:
                 a[:] = 0
 
     def verify(self, path: str) -> None:
+        if path in MOVER:
+            problems = self.mover.check(MOVER[path], corrupt=self.corrupt and path in STAGE_PATHS)
+            if problems:
+                more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+                raise AssertionError("; ".join(problems[:3]) + more)
+            return
         if path in ("memcpy", "socket"):
             if not np.array_equal(self.flat_dst, self.flat_payload):
                 raise AssertionError(f"{path}: landed bytes differ from the payload")
@@ -502,6 +582,8 @@ class Consumer:
 
     # ------------------------------------------------------------------ one timed transfer per path
     def run(self, path: str) -> float:
+        if path in MOVER:
+            return getattr(self.mover, MOVER[path])()
         return getattr(self, f"run_{path}")()
 
     def run_memcpy(self) -> float:
@@ -594,9 +676,9 @@ class Consumer:
 
 # ============================================================================== driver
 def run_transfer(preset: str = "8b", tokens: int = 2048, block_tokens: int = 16, iters: int = 5,
-                 paths: str | list[str] = "all", out: str | None = None, checksum: bool = True,
+                 paths: str | list[str] = "default", out: str | None = None, checksum: bool = True,
                  warmup: int = 1, seed: int = 0, show_progress: bool = True, quiet: bool = False,
-                 results_dir: str | None = None) -> dict[str, Any]:
+                 results_dir: str | None = None, layout: str = "LBHNC", corrupt: bool = False) -> dict[str, Any]:
     """Run the benchmark; print the table (unless quiet); write JSON + PNG; return the result dict."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -604,6 +686,15 @@ def run_transfer(preset: str = "8b", tokens: int = 2048, block_tokens: int = 16,
         raise ValueError("tokens, block-tokens and iters must be >= 1, warmup >= 0")
     geom = Geometry(preset, tokens, block_tokens)
     names = parse_paths(paths)
+    if any(p in MOVER for p in names):  # (imports torch: only for the mover paths)
+        from kvconnectors.benchmarks.device import _layouts
+
+        layouts = _layouts(layout)
+        if len(layouts) != 1:
+            raise ValueError(f"--layout: one KVCacheLayout, got {layout!r}")
+        layout = layouts[0]
+    if corrupt and not any(p in STAGE_PATHS for p in names):
+        raise ValueError("--corrupt flips a staged byte: it needs stage or stage_raw in --paths")
     status: dict[str, dict[str, Any]] = {p: {"kind": PATHS[p].kind, "about": PATHS[p].about, "status": "ok",
                                              "reason": None, "verified": False, "times_s": []} for p in names}
 
@@ -629,7 +720,7 @@ def run_transfer(preset: str = "8b", tokens: int = 2048, block_tokens: int = 16,
             except Exception as exc:
                 for p in need_producer:
                     drop(p, "failed", f"producer process did not start: {_describe(exc)}")
-        consumer = Consumer(geom, checksum, seed, producer, active)
+        consumer = Consumer(geom, checksum, seed, producer, active, layout, corrupt)
         for p in list(active):
             try:
                 consumer.setup(p)
@@ -661,18 +752,23 @@ def run_transfer(preset: str = "8b", tokens: int = 2048, block_tokens: int = 16,
         finally:
             bar.close()
     finally:
+        mover_info = consumer.mover_info() if consumer is not None else None
         if consumer is not None:
             consumer.close()
         if producer is not None:
             producer.close()
 
-    result = _result(geom, names, status, consumer, checksum, iters, warmup, seed, time.perf_counter() - t_start)
-    return publish(result, out, f"transfer_{preset}_{tokens}tok_b{block_tokens}{'' if checksum else '_nocsum'}", _plot, render, quiet,
-                   results_dir)
+    mover = mover_info
+    result = _result(geom, names, status, consumer, checksum, iters, warmup, seed, time.perf_counter() - t_start,
+                     mover, layout, corrupt)
+    stem = (f"transfer_{preset}_{tokens}tok_b{block_tokens}{'' if checksum else '_nocsum'}"
+            + (f"_{layout}" if mover and layout != "LBHNC" else "") + ("_corrupt" if corrupt else ""))
+    return publish(result, out, stem, _plot, render, quiet, results_dir)
 
 
 def _result(geom: Geometry, names: list[str], status: dict, consumer: Consumer | None, checksum: bool,
-            iters: int, warmup: int, seed: int, wall_s: float) -> dict[str, Any]:
+            iters: int, warmup: int, seed: int, wall_s: float, mover: dict[str, Any] | None = None,
+            layout: str = "LBHNC", corrupt: bool = False) -> dict[str, Any]:
     paths: dict[str, Any] = {}
     for p in names:
         s = dict(status[p])
@@ -696,11 +792,15 @@ def _result(geom: Geometry, names: list[str], status: dict, consumer: Consumer |
         comparisons.append({"ours": ours, "baseline": base, "ratio": r, "target": target,
                             "met": None if r is None else r >= target,
                             "ratio_p99": ratio(paths[ours].get("gbps_p99"), paths.get(base, {}).get("gbps_p99"))})
+    if mover is not None:  # the mover's ratios under bench device's names (None when a side did not run)
+        med = {p: s.get("gbps_median") for p, s in paths.items()}
+        mover["ratios"] = {f"{p}_vs_{b}": ratio(med.get(p), med.get(b)) for p, b, _ in COMPARISONS if p in MOVER}
     return {
         "benchmark": "transfer",
         "config": {**geom.describe(), "iters": iters, "warmup_rounds": warmup, "seed": seed,
                    "checksum": checksum, "paths": names, "order": "round-robin, start rotated each round",
-                   "gb": "1e9 bytes"},
+                   "gb": "1e9 bytes", "layout": layout, "corrupt": corrupt},
+        "mover": mover,
         "host": host_info(),
         "env": {k: os.environ.get(k) for k in ("UCX_MODULES", "UCX_NET_DEVICES", "UCX_TLS",
                                                "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_LANES_PER_PEER")},
@@ -729,9 +829,21 @@ def render(result: dict[str, Any]) -> str:
     crow = [[f"{x['ours']} / {x['baseline']}", x["ratio"], x["ratio_p99"], f">= {x['target']}",
              "-" if x["met"] is None else ("met" if x["met"] else "MISSED")] for x in result["comparisons"]]
     t2 = table(["ours / baseline", "ratio (med)", "ratio (p99)", "target", "verdict"], crow, align="lrrrl")
+    extra = []
+    mv = result.get("mover")
+    if mv:
+        r = {k: "-" if v is None else f"{fmt(v)}x" for k, v in mv["ratios"].items()}
+        extra.append(f"mover: {mv['layout']} CPU caches ({mv['ops']}, "
+                     + ("one gather for all layers" if mv["all_layer_gather"] else "one gather per layer")
+                     + f"): stage {r['stage_vs_plain_gather']} the plain gather's GB/s "
+                     f"({r['stage_raw_vs_plain_gather']} without checksums), load "
+                     f"{r['load_vs_plain_scatter']} the plain scatter's (target >= 0.9)")
+        if c.get("corrupt"):
+            extra.append("  (--corrupt: a byte of the warm-up's staged entry was flipped in the arena before "
+                         "its check: stage rows must read FAILED)")
     files = result.get("files", {})
     tail = f"JSON {files.get('json')}\nPNG  {files.get('png')}" if files else ""
-    return "\n".join([head, "", t1, "", t2, "", tail]).rstrip()
+    return "\n".join([head, "", t1, "", t2, ""] + (extra + [""] if extra else []) + [tail]).rstrip()
 
 
 def _plot(result: dict[str, Any], path) -> None:
@@ -760,8 +872,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV block; one (layer, block) slot is the unit every path moves")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per path (after the warm-up round)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds (the first one also verifies)")
-    parser.add_argument("--paths", default="all",
-                        help=f"comma-separated subset of: {', '.join(PATHS)} (or 'all')")
+    parser.add_argument("--paths", default="default",
+                        help=f"comma-separated paths and groups: {', '.join(PATHS)}; groups: default "
+                             f"({','.join(GROUPS['default'])}), mover ({','.join(GROUPS['mover'])}: the "
+                             "kvconnectors.mover Stager/Loader on CPU caches beside plain torch/numpy copies, "
+                             "ratios stage/plain_gather and load/plain_scatter), all")
+    parser.add_argument("--layout", default="LBHNC",
+                        help="KVCacheLayout of the mover paths' CPU caches (LBHNC, vLLM's CPU layout; LBNHC LHBNC "
+                             "BLHNC BLNHC BHLNC)")
+    parser.add_argument("--corrupt", action="store_true",
+                        help="negative control (tests): flip one byte of the warm-up's staged entry in the store "
+                             "before it is verified; stage/stage_raw must then fail and the run exit 1")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output directory for the JSON and PNG")
     parser.add_argument("--no-checksum", action="store_true",
                         help="stage without checksums and read with verify=False (production default is on)")
@@ -775,7 +896,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_transfer(preset=args.preset, tokens=args.tokens, block_tokens=args.block_tokens,
                               iters=args.iters, paths=args.paths, out=args.out, checksum=not args.no_checksum,
                               warmup=args.warmup, seed=args.seed, show_progress=not args.no_progress,
-                              results_dir=args.results_dir)
+                              results_dir=args.results_dir, layout=args.layout, corrupt=args.corrupt)
     except ValueError as exc:
         print(f"kvconnectors bench transfer: {exc}", file=sys.stderr)
         return 2

@@ -63,6 +63,73 @@ def test_transfer_no_checksum_and_unknown_path(tmp_path):
         transfer.parse_paths("memcpy,warp-drive")
 
 
+MOVER_PATHS = ["plain_gather", "stage", "stage_raw", "plain_scatter", "load"]
+
+
+def test_transfer_path_groups():
+    default = transfer.parse_paths("default")
+    assert default == ["memcpy", "gather", "socket", "tcp", "tcp_aead", "shm", "nixl", "nixl_direct", "mooncake"]
+    assert transfer.parse_paths("mover") == MOVER_PATHS
+    assert transfer.parse_paths("all") == default + MOVER_PATHS
+    assert transfer.parse_paths("gather,mover,stage") == ["gather"] + MOVER_PATHS  # in order, each once
+    assert transfer.parse_paths(["memcpy", "load"]) == ["memcpy", "load"]
+
+
+@pytest.mark.timeout(120)
+def test_transfer_mover_rows(tmp_path):
+    """The mover rows run (real Stager/Loader over a real TieredStore, LBHNC CPU caches of the preset's
+    geometry), are verified byte-exact in the warm-up, and report stage/plain_gather and load/plain_scatter."""
+    paths = ["gather"] + MOVER_PATHS
+    result = transfer.run_transfer(preset="tiny", tokens=64, block_tokens=16, iters=2, paths=paths,
+                                   out=str(tmp_path), show_progress=False, quiet=True)
+    on_disk = json.loads(open(result["files"]["json"]).read())
+    assert list(on_disk["paths"]) == paths and on_disk["config"]["layout"] == "LBHNC"
+    for name, s in on_disk["paths"].items():
+        assert s["status"] == "ok", (name, s["reason"])
+        assert s["verified"] is True and s["iterations"] == 2 and s["gbps_median"] > 0, name
+    assert {on_disk["paths"][p]["kind"] for p in ("stage", "stage_raw", "load")} == {"mover"}
+    assert on_disk["paths"]["plain_gather"]["kind"] == on_disk["paths"]["plain_scatter"]["kind"] == "limit"
+    mv = on_disk["mover"]
+    assert mv["layout"] == "LBHNC" and mv["geometry"]["block_bytes"] == on_disk["config"]["slot_bytes"] == 8192
+    assert mv["bytes_per_transfer"] == on_disk["config"]["total_bytes"]
+    assert set(mv["ratios"]) == {"stage_vs_plain_gather", "stage_raw_vs_plain_gather", "load_vs_plain_scatter"}
+    assert all(v > 0 for v in mv["ratios"].values()), mv["ratios"]
+    comps = {(c["ours"], c["baseline"]): c for c in on_disk["comparisons"]}
+    assert comps[("stage", "plain_gather")]["ratio"] == pytest.approx(mv["ratios"]["stage_vs_plain_gather"])
+    assert comps[("load", "plain_scatter")]["ratio"] == pytest.approx(mv["ratios"]["load_vs_plain_scatter"])
+    assert comps[("stage", "plain_gather")]["target"] == 0.9
+    text = transfer.render(result)
+    assert "stage / plain_gather" in text and "load / plain_scatter" in text
+    assert "mover: LBHNC CPU caches" in text and "without checksums" in text
+    # another layout, and the mover rows alone (no kv arrays): the same checks pass
+    other = transfer.run_transfer(preset="tiny", tokens=32, block_tokens=16, iters=1, paths="stage,load",
+                                  layout="bhlnc", out=str(tmp_path), show_progress=False, quiet=True)
+    assert other["mover"]["layout"] == "BHLNC" and other["files"]["json"].endswith("_BHLNC.json")
+    assert all(s["status"] == "ok" and s["verified"] for s in other["paths"].values())
+    assert other["mover"]["ratios"]["stage_vs_plain_gather"] is None  # its baseline did not run
+
+
+@pytest.mark.timeout(120)
+def test_transfer_mover_corrupt_staged_byte_fails_verification(tmp_path, capsys):
+    """The negative control: one byte of the warm-up's staged entry flipped in the store's arena fails
+    stage (bytes and checksum) and stage_raw (bytes); load is untouched; the command exits 1."""
+    from kvconnectors.cli import main
+
+    rc = main(["bench", "transfer", "--preset", "tiny", "--tokens", "64", "--iters", "1", "--paths",
+               "stage,stage_raw,load", "--corrupt", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 1
+    result = json.loads((tmp_path / "transfer_tiny_64tok_b16_corrupt.json").read_text())
+    st, raw, load = (result["paths"][p] for p in ("stage", "stage_raw", "load"))
+    assert st["status"] == raw["status"] == "failed" and not st["verified"] and not raw["verified"]
+    assert "moved blocks differ from the source" in st["reason"] and "do not match the checksum" in st["reason"]
+    assert "moved blocks differ from the source" in raw["reason"] and "checksum" not in raw["reason"]
+    assert load["status"] == "ok" and load["verified"] is True
+    assert "--corrupt" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="needs stage or stage_raw"):
+        transfer.run_transfer(preset="tiny", tokens=32, paths="load", corrupt=True, out=str(tmp_path),
+                              show_progress=False, quiet=True)
+
+
 @pytest.mark.timeout(60)
 def test_tiers_smoke(tmp_path):
     result = tiers.run_tiers(nbytes=1 << 20, preset="tiny", block_tokens=16, entry_tokens=64, rounds=2, warmup=0,
@@ -124,6 +191,7 @@ def test_cli_help_exits_zero(capsys):
         assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--no-checksum" in out and "--block-tokens" in out and "--dir" in out
+    assert "--layout" in out and "--corrupt" in out and "plain_gather" in out and "stage_raw" in out
 
 
 @pytest.mark.timeout(60)
