@@ -344,18 +344,22 @@ class NixlPull(_ArenaPull):
         self.source.serve_until_readable(sock, deadline)
 
     def read_into(self, sock, peer, read, reply, dest, *, deadline, sums, dest_addrs=None) -> int:
-        if self.sink is None:
-            raise TransferError(FailureCause.PROTOCOL, "data_path 'nixl' needs the consumer's NIXL agent "
-                                                       "(NixlPull(sink=...))")
-        if not reply.offsets or len(reply.offsets) != len(dest):
-            raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {peer} without one offset per block")
-        if not reply.nixl_agent_meta or reply.nixl_base_address <= 0:
-            raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {peer} without agent metadata")
+        self._check_reply(peer, reply, dest)
         nbytes = self.sink.read_blocks(peer, reply.nixl_agent_meta, reply.nixl_base_address, reply.offsets,
                                        dest, deadline, local_addrs=dest_addrs)
         if sums is not None:  # after the READ: NIXL hands over the bytes only once it is DONE
             verify_checksums(sums, dest, read.transfer_id)
         return nbytes
+
+    def _check_reply(self, peer, reply, dest) -> None:
+        """A READ needs our agent, one producer offset per destination block and its agent metadata."""
+        if self.sink is None:
+            raise TransferError(FailureCause.PROTOCOL, "data_path 'nixl' needs the consumer's NIXL agent "
+                                                       f"({type(self).__name__}(sink=...))")
+        if not reply.offsets or len(reply.offsets) != len(dest):
+            raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {peer} without one offset per block")
+        if not reply.nixl_agent_meta or reply.nixl_base_address <= 0:
+            raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {peer} without agent metadata")
 
     def close(self) -> None:
         for agent in (self.sink, self.source):
@@ -380,13 +384,7 @@ class NixlDevicePull(NixlPull):
             raise TransferError(FailureCause.PROTOCOL, (
                 "the GPU-direct nixl path cannot verify checksums (they are computed on host rows); "
                 "a consumer that verifies uses the host path"))
-        if self.sink is None:
-            raise TransferError(FailureCause.PROTOCOL, "data_path 'nixl' needs the consumer's NIXL agent "
-                                                       "(NixlDevicePull(sink=...))")
-        if not reply.offsets or len(reply.offsets) != len(dest):
-            raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {peer} without one offset per block")
-        if not reply.nixl_agent_meta or reply.nixl_base_address <= 0:
-            raise TransferError(FailureCause.PROTOCOL, f"nixl reply from {peer} without agent metadata")
+        self._check_reply(peer, reply, dest)
         remote = np.uint64(reply.nixl_base_address) + np.asarray(reply.offsets, dtype=np.uint64)
         local, remote, lengths = merge_runs(dest.addrs, remote, dest.row_bytes)
         # returns only once NIXL says DONE: the bytes are in the device blocks when the load is reported
