@@ -624,12 +624,14 @@ class Landing:
             mine = rec is not None and rec.owner == conn.owner
             if mine:
                 del self._inflight[tid]
+        # Why it failed is on record before its entry goes: a consumer waiting meanwhile must see
+        # this cause, not "landed here but its landing lease ended" (the entry missing, no failure yet)
+        self._remember(tid, exc, conn)
         if mine:
             try:
                 self.store.release(tid, writer=rec.writer)
             except (TransferError, StoreClosedError):  # gone already, or the store shut down
                 pass
-        self._remember(tid, exc, conn)
 
     def _remember(self, tid: str, exc: TransferError, conn: ConnectionState) -> None:
         logger.warning("pushed transfer %s from %s failed to land: %s", tid, conn.peer, exc)
