@@ -24,7 +24,7 @@ RPC_S = 5.0  # every call's deadline: a missing answer fails the test in seconds
 
 
 class LandingServer:
-    def __init__(self, *, dram_slots: int = 256, ttl_s: float = 30.0, **landing_kw):
+    def __init__(self, *, dram_slots: int = 256, ttl_s: float = 30.0, server_kw: dict | None = None, **landing_kw):
         self.store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=dram_slots * SLOT, lease_ttl_s=ttl_s))
         try:
             self.landing = Landing(self.store, fingerprint=FP, num_layers=LAYERS, **landing_kw)
@@ -35,7 +35,7 @@ class LandingServer:
             landing_kw.pop("max_receive_bytes")
             self.landing = Landing(self.store, fingerprint=FP, num_layers=LAYERS, **landing_kw)
         self.server = StoreServer(self.store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT,
-                                  landing=self.landing)
+                                  landing=self.landing, **(server_kw or {}))
         self._clients: list[StoreClient] = []
 
     def client(self) -> StoreClient:

@@ -21,7 +21,6 @@ from kvconnectors.errors import ConfigError, FailureCause, TransferError
 from kvconnectors.store import StoreConfig, TieredStore
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import StoreClient
-from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.paths import NixlPull
 from kvconnectors.transport.sealed import RECORD_BYTES, SealedSocket, direction_keys
 from kvconnectors.transport.server import StoreServer
@@ -108,22 +107,15 @@ def test_the_default_sends_kv_in_the_clear(make_server, relays) -> None:
 
 
 def test_a_sealed_push_lands_byte_exact(relays) -> None:
-    store = TieredStore(StoreConfig(slot_bytes=lk.SLOT, dram_bytes=64 * lk.SLOT, lease_ttl_s=30))
-    landing = Landing(store, fingerprint=lk.FP, num_layers=lk.LAYERS)
-    srv = StoreServer(store, "127.0.0.1", 0, fingerprint=lk.FP, num_layers=lk.LAYERS, compat=COMPAT, secret=SECRET,
-                      landing=landing, protection=AEAD)
+    srv = lk.LandingServer(dram_slots=64, server_kw={"secret": SECRET, "protection": AEAD})
     try:
-        relay = relays(srv.port)
+        relay = relays(srv.server.port)
         with client(relay.port) as c:
             sent = lk.push_all(c, "pushed", 24, seed=5)  # 24 blocks of 4 KiB a Push: several records
-        got = np.empty((lk.LAYERS * 24, lk.SLOT), np.uint8)
-        landing.wait("pushed", time.monotonic() + 5, time.monotonic() + 5)
-        store.read_into("pushed", list(range(lk.LAYERS)), 0, got)
-        assert np.array_equal(got.reshape(sent.shape), sent)
+        assert np.array_equal(srv.landed("pushed", 24).reshape(sent.shape), sent)
         assert bytes(sent[1, 3, :64]) not in relay.wire["c2s"]
     finally:
         srv.close()
-        store.close()
 
 
 def test_records_are_bounded_and_streams_of_many_views_arrive_whole() -> None:
@@ -184,26 +176,20 @@ def test_a_flipped_byte_in_a_frame_is_counted_refused_and_the_server_keeps_servi
 
 
 def test_a_flipped_byte_in_pushed_kv_fails_the_push_and_lands_nothing(relays) -> None:
-    store = TieredStore(StoreConfig(slot_bytes=lk.SLOT, dram_bytes=64 * lk.SLOT, lease_ttl_s=30))
-    landing = Landing(store, fingerprint=lk.FP, num_layers=lk.LAYERS)
-    srv = StoreServer(store, "127.0.0.1", 0, fingerprint=lk.FP, num_layers=lk.LAYERS, compat=COMPAT, secret=SECRET,
-                      landing=landing, protection=AEAD)
+    srv = lk.LandingServer(dram_slots=64, server_kw={"secret": SECRET, "protection": AEAD})
+    store = srv.store
     try:
-        relay = relays(srv.port, only("c2s", RECORD + 1, lambda u: [flip(u, 50)]))  # record 1: the Push's bytes
+        relay = relays(srv.server.port, only("c2s", RECORD + 1, lambda u: [flip(u, 50)]))  # record 1: the Push's bytes
         with client(relay.port) as c, pytest.raises(TransferError) as exc:
             lk.push_all(c, "pushed", 4, seed=5)
         assert exc.value.cause in (FailureCause.AUTH, FailureCause.PEER_UNREACHABLE), exc.value
-        assert failures(srv, 1) == 1
+        assert failures(srv.server, 1) == 1
         assert not store.is_sealed("pushed") if store.contains("pushed") else True
-        with client(srv.port) as c:  # the server keeps serving pushes
+        with client(srv.server.port) as c:  # the server keeps serving pushes
             sent = lk.push_all(c, "clean", 4, seed=6)
-        got = np.empty((lk.LAYERS * 4, lk.SLOT), np.uint8)
-        landing.wait("clean", time.monotonic() + 5, time.monotonic() + 5)
-        store.read_into("clean", list(range(lk.LAYERS)), 0, got)
-        assert np.array_equal(got.reshape(sent.shape), sent)
+        assert np.array_equal(srv.landed("clean", 4).reshape(sent.shape), sent)
     finally:
         srv.close()
-        store.close()
 
 
 @pytest.mark.parametrize("attack", ["replay", "reorder", "drop"])
