@@ -15,6 +15,7 @@ import atexit
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -296,6 +297,7 @@ class VllmServer:
         self._threads: list[threading.Thread] = []
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self._rpc_dir: str | None = None  # vLLM's IPC sockets: our own folder, removed on stop
 
     # ---- description --------------------------------------------------------------------
 
@@ -346,6 +348,8 @@ class VllmServer:
             parts = self.pythonpath + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
             env["PYTHONPATH"] = os.pathsep.join(parts)
         env.update(self.env_overrides)
+        if self._rpc_dir is not None and "VLLM_RPC_BASE_PATH" not in self.env_overrides:
+            env["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         return env
 
     def __repr__(self) -> str:
@@ -362,6 +366,9 @@ class VllmServer:
         log_file = open(self.log_path, "ab", buffering=0)
         log_file.write(f"# {self.name}: {' '.join(self.command())}\n".encode())
         shim = self.launch_argv()
+        # vLLM names its ZMQ IPC sockets <VLLM_RPC_BASE_PATH>/<uuid>; a killed EngineCore leaves them
+        # behind (thousands in /tmp after a few test runs), so each server gets a folder stop() removes.
+        self._rpc_dir = tempfile.mkdtemp(prefix="kvc-rpc-", dir=os.environ.get("VLLM_RPC_BASE_PATH"))  # short: 107-byte socket paths
         # Own session = own process group: killpg reaches EngineCore/Worker even after the API
         # server is gone, and a Ctrl-C in our terminal does not hit the servers behind our back.
         with log_file:  # the child keeps its own descriptor
@@ -441,6 +448,8 @@ class VllmServer:
                 pass
             for t in self._threads:
                 t.join(timeout=5.0)
+            if self._rpc_dir is not None:
+                shutil.rmtree(self._rpc_dir, ignore_errors=True)
             _live_servers.discard(self)
             return self.proc.returncode
 

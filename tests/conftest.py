@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from kvconnectors.testing.skips import install
 
     install(session.config, Path(__file__).with_name("allowed_skips.txt"))
+
+
+# vLLM's ZMQ IPC sockets (<VLLM_RPC_BASE_PATH>/<uuid>) outlive killed engines: the whole session's go
+# into one folder (servers make their own inside it), removed at the end.
+_RPC_DIR = tempfile.mkdtemp(prefix="kvc-tests-rpc-")
+os.environ["VLLM_RPC_BASE_PATH"] = _RPC_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_RPC_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,28 @@ class DeviceOps(ABC):
         return None
 
 
+_WORDS = (torch.int64, torch.int32, torch.int16)
+
+
+def _word_view(t: torch.Tensor, word: torch.dtype) -> torch.Tensor | None:
+    try:
+        return t.view(word)  # needs a contiguous last dim and strides/offset divisible by the word
+    except RuntimeError:
+        return None
+
+
+def same_words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and b reinterpreted as the widest integer word both allow (same bytes, fewer elements);
+    unchanged when no wider word fits both."""
+    for word in _WORDS:
+        if word.itemsize <= min(a.element_size(), b.element_size()):
+            break
+        va, vb = _word_view(a, word), _word_view(b, word)
+        if va is not None and vb is not None:
+            return va, vb
+    return a, b
+
+
 class CpuOps(DeviceOps):
     """vLLM's CPU backend: a copy thread is the stream (FIFO, like a CUDA stream)."""
 
@@ -128,7 +150,11 @@ class CpuOps(DeviceOps):
         event.wait()
 
     def gather(self, src: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
-        torch.index_select(src, dim, ids, out=out)  # straight into the destination: one copy
+        # Straight into the destination (one copy), moved as 8-byte words where the rows allow: torch's
+        # CPU index_select copies element by element, and bf16 rows go ~3x slower than the same bytes
+        # as int64 (both measured in `bench transfer --paths mover`).
+        src_w, out_w = same_words(src, out)
+        torch.index_select(src_w, dim, ids, out=out_w)
 
     def scatter(self, rows: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor) -> None:
         # numpy's fancy assignment copies whole rows; torch's index_copy_ goes byte by byte on uint8

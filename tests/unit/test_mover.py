@@ -640,3 +640,34 @@ def test_fp8_per_tensor_caches_are_accepted_and_byte_exact(layout, cache_dtype, 
     before = snapshot(dst)
     m = move(src, dst, [7, 2, 5, 0], block_size=N, layout=layout, cache_dtype=cache_dtype)
     assert_moved(src, dst, before, [7, 2, 5, 0], m)
+
+
+@pytest.mark.parametrize("shape, dtype, word", [
+    ((6, 4, 256), torch.bfloat16, torch.int64),   # a typical row: 8-byte words
+    ((6, 4, 6), torch.bfloat16, torch.int32),     # 12-byte rows: 4-byte words
+    ((6, 4, 3), torch.bfloat16, torch.bfloat16),  # 6-byte rows: no wider word divides them
+    ((6, 4, 8), torch.float32, torch.int64),
+    ((6, 4, 8), torch.uint8, torch.int64),
+])
+def test_cpu_gather_moves_rows_as_the_widest_word_byte_exact(shape, dtype, word) -> None:
+    """CpuOps.gather copies the same bytes whatever word it picks, including strided views and views
+    whose offset only a narrower word divides."""
+    from kvconnectors.mover.device import CpuOps, same_words
+
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randint(0, 255, (2, *shape[:-1], shape[-1] * torch.empty((), dtype=dtype).element_size()),
+                         dtype=torch.uint8, generator=gen)
+    src = base.view(dtype)[1]  # an offset view, like one layer of a K/V-split cache
+    assert same_words(src, torch.empty_like(src))[0].dtype == word
+    ids = torch.tensor([4, 0, 2])
+    ops = CpuOps()
+    try:
+        out = torch.empty((3, *shape[1:]), dtype=dtype)
+        ops.enqueue(lambda: ops.gather(src, ids, out)).wait()
+        assert torch.equal(out.view(torch.uint8), src.index_select(0, ids).view(torch.uint8))
+        odd = src[:, :, 1:]  # the last dim now starts mid-word: a narrower word (or none) is used
+        out_odd = torch.empty((3, *odd.shape[1:]), dtype=dtype)
+        ops.enqueue(lambda: ops.gather(odd, ids, out_odd)).wait()
+        assert torch.equal(out_odd.view(torch.uint8), odd.index_select(0, ids).contiguous().view(torch.uint8))
+    finally:
+        ops.close()

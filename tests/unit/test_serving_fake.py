@@ -35,7 +35,9 @@ FAKE_API_SERVER = textwrap.dedent('''
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # a child process with extra threads, like EngineCore/Worker
     child = subprocess.Popen([sys.executable, "-c",
-        "import threading,time\\n"
+        "import os,socket,threading,time,uuid\\n"
+        # vLLM's EngineCore binds ZMQ IPC sockets as <VLLM_RPC_BASE_PATH>/<uuid> and, killed, leaves them
+        "s=socket.socket(socket.AF_UNIX); s.bind(os.path.join(os.environ['VLLM_RPC_BASE_PATH'], str(uuid.uuid4())))\\n"
         "[threading.Thread(target=time.sleep, args=(600,), daemon=True).start() for _ in range(3)]\\n"
         "time.sleep(600)"])
     for _ in range(2):
@@ -148,6 +150,7 @@ def test_start_pin_request_and_teardown(fake_vllm, model_dir):
         assert srv.metrics()["x_total"] == [({}, 3.0)]
     assert not srv.is_running()
     _assert_gone(pids)
+    assert not os.path.exists(srv.environment()["VLLM_RPC_BASE_PATH"]), "vLLM's IPC socket folder is left behind"
     assert "fake vllm ready" in srv.log_tail(5)
     assert "[prefill-0] fake vllm ready" in sink.getvalue()
     assert srv.stop() == srv.proc.returncode  # idempotent
@@ -180,9 +183,12 @@ def test_sigterm_ignored_escalates_to_sigkill(fake_vllm, model_dir):
     srv = _fake(fake_vllm, model_dir, mode="ignore_term").start()
     pids = [p.pid for p in serving.process_tree(srv.pid)]
     t0 = time.monotonic()
+    rpc_dir = srv.environment()["VLLM_RPC_BASE_PATH"]
+    assert os.listdir(rpc_dir), "the fake EngineCore bound no IPC socket"
     srv.stop(timeout=2)
     assert time.monotonic() - t0 < 10
     _assert_gone(pids)
+    assert not os.path.exists(rpc_dir), "a killed server's IPC sockets are left behind"
 
 
 @pytest.mark.engine  # no engine is built, but it runs vLLM's start-up (10-20 s of a core)
