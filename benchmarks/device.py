@@ -204,6 +204,20 @@ class LayoutRun:
                     torch.index_select(self.g.views[layer], 0, self.ids, out=self.host[layer])
         return self.clock.time(run)
 
+    def gather_words(self) -> float:
+        """CPU: the plain gather of the same bytes viewed as the widest integer word (what CpuOps.gather
+        does), the strongest plain gather we know: the mover's own overhead shows against it."""
+        from kvconnectors.mover.device import same_words
+
+        assert not self.cuda, "gather_words is a CPU baseline"
+        torch = self.torch
+
+        def run() -> None:
+            for layer in self.layers:
+                src, out = same_words(self.g.views[layer], self.host[layer])
+                torch.index_select(src, 0, self.ids, out=out)
+        return self.clock.time(run)
+
     def load(self) -> float:
         return self.clock.time(lambda: self.loader.load(self.rows, self.layers, self.ids_np).wait())
 
@@ -224,7 +238,8 @@ class LayoutRun:
 
     # -------------------------------------------------------------------------------- per-path checks
     # (bench transfer: clear(path), one timed run of the path, check(path) -> problems, [] when byte-exact)
-    MOVED = {"stage": "store", "stage_raw": "store", "gather": "host", "load": "dst", "scatter": "dst"}
+    MOVED = {"stage": "store", "stage_raw": "store", "gather": "host", "gather_words": "host", "load": "dst",
+             "scatter": "dst"}
 
     def clear(self, path: str) -> None:
         """Make the next run of `path` land on known-wrong bytes, so check() sees what it moved."""

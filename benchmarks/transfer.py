@@ -19,6 +19,9 @@
   mover    (--paths mover, or all; not in the default set: torch and ~4x the payload in memory; CPU)
            plain_gather  limit: torch.index_select of the moved blocks OUT of the cache into a host
                         tensor, per layer: what staging is put against
+           plain_gather_words  limit: the same gather on the rows viewed as int64 words, as the
+                        mover's CPU copy does (element-wise index_select is ~3x slower on bf16): the
+                        strongest plain gather, so the mover's own cost shows against it
            stage        kvconnectors.mover Stager.stage + complete into a real TieredStore's arena:
                         one batched gather per layer (copy thread), xxh3 of every row, commit
            stage_raw    the same with the Stager's checksums off: the mover's own cost
@@ -28,8 +31,8 @@
   These run in this process on vLLM-shaped CPU caches of the same geometry (KVCacheLayout --layout,
   default LBHNC, vLLM's CPU layout; kvconnectors.mover.shapes.synthetic_caches; one allocation, twice
   the request's blocks, the same target block ids), through benchmarks/device.py's LayoutRun (what
-  `kvconnectors bench device` times). Ratios stage / plain_gather and load / plain_scatter (target
-  >= 0.9, issue #14) are in the comparisons and under "mover" in the JSON.
+  `kvconnectors bench device` times). Ratios stage / plain_gather (and / plain_gather_words) and
+  load / plain_scatter (target >= 0.9, issue #14) are in the comparisons and under "mover" in the JSON.
 
 Layout (identical for every path): the producer holds the payload as num_layers x num_blocks slots
 (slot = one (layer, block) = block_tokens x kv_heads x head_dim x 2 (K, V) x dtype bytes); the consumer
@@ -145,18 +148,22 @@ PATHS: dict[str, PathInfo] = {
                          "mooncake"),
     "plain_gather": PathInfo("limit", "torch.index_select of the blocks out of the cache into a host tensor",
                              False, "torch"),
+    "plain_gather_words": PathInfo("limit", "the same index_select on the rows viewed as int64 words (CpuOps' "
+                                   "gather): the mover's copy without the mover", False, "torch"),
     "stage": PathInfo("mover", "Stager.stage+complete -> TieredStore arena, xxh3 of every row", False, "torch"),
     "stage_raw": PathInfo("mover", "stage with the Stager's checksums off: the mover's own cost", False, "torch"),
     "plain_scatter": PathInfo("limit", "numpy fancy assignment of host rows into the blocks", False, "torch"),
     "load": PathInfo("mover", "Loader.load + event: one scatter per layer from host rows", False, "torch"),
 }
 # mover rows: the benchmarks/device.py LayoutRun method each one times
-MOVER = {"plain_gather": "gather", "stage": "stage", "stage_raw": "stage_raw", "plain_scatter": "scatter",
+MOVER = {"plain_gather": "gather", "plain_gather_words": "gather_words", "stage": "stage", "stage_raw": "stage_raw", "plain_scatter": "scatter",
          "load": "load"}
 STAGE_PATHS = ("stage", "stage_raw")
 GROUPS = {"default": [p for p in PATHS if p not in MOVER], "mover": list(MOVER), "all": list(PATHS)}
 COMPARISONS = (("tcp", "socket", 0.8), ("tcp_aead", "tcp", 0.5), ("shm", "memcpy", 0.5), ("nixl", "nixl_direct", 0.9),
-               ("stage", "plain_gather", 0.9), ("stage_raw", "plain_gather", 0.9), ("load", "plain_scatter", 0.9))
+               ("stage", "plain_gather", 0.9), ("stage_raw", "plain_gather", 0.9),
+               ("stage", "plain_gather_words", 0.9), ("stage_raw", "plain_gather_words", 0.9),
+               ("load", "plain_scatter", 0.9))
 KIND_COLOR = {"limit": "#9e9e9e", "ours": "#1f77b4", "engine": "#ff7f0e", "mover": "#2ca02c"}
 
 
@@ -836,8 +843,9 @@ def render(result: dict[str, Any]) -> str:
         extra.append(f"mover: {mv['layout']} CPU caches ({mv['ops']}, "
                      + ("one gather for all layers" if mv["all_layer_gather"] else "one gather per layer")
                      + f"): stage {r['stage_vs_plain_gather']} the plain gather's GB/s "
-                     f"({r['stage_raw_vs_plain_gather']} without checksums), load "
-                     f"{r['load_vs_plain_scatter']} the plain scatter's (target >= 0.9)")
+                     f"({r['stage_raw_vs_plain_gather']} without checksums; against the int64-word gather "
+                     f"{r.get('stage_vs_plain_gather_words', '-')} / {r.get('stage_raw_vs_plain_gather_words', '-')}), "
+                     f"load {r['load_vs_plain_scatter']} the plain scatter's (target >= 0.9)")
         if c.get("corrupt"):
             extra.append("  (--corrupt: a byte of the warm-up's staged entry was flipped in the arena before "
                          "its check: stage rows must read FAILED)")

@@ -63,7 +63,7 @@ def test_transfer_no_checksum_and_unknown_path(tmp_path):
         transfer.parse_paths("memcpy,warp-drive")
 
 
-MOVER_PATHS = ["plain_gather", "stage", "stage_raw", "plain_scatter", "load"]
+MOVER_PATHS = ["plain_gather", "plain_gather_words", "stage", "stage_raw", "plain_scatter", "load"]
 
 
 def test_transfer_path_groups():
@@ -88,11 +88,12 @@ def test_transfer_mover_rows(tmp_path):
         assert s["status"] == "ok", (name, s["reason"])
         assert s["verified"] is True and s["iterations"] == 2 and s["gbps_median"] > 0, name
     assert {on_disk["paths"][p]["kind"] for p in ("stage", "stage_raw", "load")} == {"mover"}
-    assert on_disk["paths"]["plain_gather"]["kind"] == on_disk["paths"]["plain_scatter"]["kind"] == "limit"
+    assert {on_disk["paths"][p]["kind"] for p in ("plain_gather", "plain_gather_words", "plain_scatter")} == {"limit"}
     mv = on_disk["mover"]
     assert mv["layout"] == "LBHNC" and mv["geometry"]["block_bytes"] == on_disk["config"]["slot_bytes"] == 8192
     assert mv["bytes_per_transfer"] == on_disk["config"]["total_bytes"]
-    assert set(mv["ratios"]) == {"stage_vs_plain_gather", "stage_raw_vs_plain_gather", "load_vs_plain_scatter"}
+    assert set(mv["ratios"]) == {"stage_vs_plain_gather", "stage_raw_vs_plain_gather", "stage_vs_plain_gather_words",
+                                 "stage_raw_vs_plain_gather_words", "load_vs_plain_scatter"}
     assert all(v > 0 for v in mv["ratios"].values()), mv["ratios"]
     comps = {(c["ours"], c["baseline"]): c for c in on_disk["comparisons"]}
     assert comps[("stage", "plain_gather")]["ratio"] == pytest.approx(mv["ratios"]["stage_vs_plain_gather"])
@@ -100,7 +101,7 @@ def test_transfer_mover_rows(tmp_path):
     assert comps[("stage", "plain_gather")]["target"] == 0.9
     text = transfer.render(result)
     assert "stage / plain_gather" in text and "load / plain_scatter" in text
-    assert "mover: LBHNC CPU caches" in text and "without checksums" in text
+    assert "mover: LBHNC CPU caches" in text and "without checksums" in text and "int64-word gather" in text
     # another layout, and the mover rows alone (no kv arrays): the same checks pass
     other = transfer.run_transfer(preset="tiny", tokens=32, block_tokens=16, iters=1, paths="stage,load",
                                   layout="bhlnc", out=str(tmp_path), show_progress=False, quiet=True)
