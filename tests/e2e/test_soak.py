@@ -30,6 +30,7 @@ from kvconnectors.tiered.config import TieredConfig
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
 REQUESTS, WARMUP, DISTINCT, MAX_TOKENS = 1000, 200, 50, 16
+CONCURRENCY = 8  # requests in flight: a busy decode batches them, and the soak runs in less wall time
 FAULTS = [{"action": "corrupt", "probability": 0.02}, {"action": "truncate", "probability": 0.01},
           {"action": "disconnect", "probability": 0.01}, {"action": "delay", "probability": 0.02, "delay_s": 0.3}]
 # The control: 100 distinct prompts of 70 to 299 tokens (2 to 9 full blocks of 32; no prefix
@@ -94,9 +95,9 @@ def test_soak_with_random_faults(tiny_model, prompts, colocated, tmp_path) -> No
     kv = {"kv_connector_extra_config": {"fault_injection": FAULTS}}
     with PDCluster(tiny_model, kv_extra=kv, log_dir=tmp_path) as pd:
         name = pd.prefill[0].served_model_name
-        warm = run_workload(pd.proxy_url, name, requests[:WARMUP], MAX_TOKENS, concurrency=4, progress=False)
+        warm = run_workload(pd.proxy_url, name, requests[:WARMUP], MAX_TOKENS, concurrency=CONCURRENCY, progress=False)
         rss_warm = [tree_rss(s.pid) for s in pd.servers]
-        rest = run_workload(pd.proxy_url, name, requests[WARMUP:], MAX_TOKENS, concurrency=4, progress=False)
+        rest = run_workload(pd.proxy_url, name, requests[WARMUP:], MAX_TOKENS, concurrency=CONCURRENCY, progress=False)
         results = warm + [r.__class__(**{**r.__dict__, "index": r.index + WARMUP}) for r in rest]
         assert_pd_idle(pd)
         rss_end = [tree_rss(s.pid) for s in pd.servers]
@@ -128,7 +129,7 @@ def test_the_soaks_judgement_sees_silent_corruption(tiny_model, prompts, colocat
     were)."""
     with PDCluster(tiny_model, kv_extra=SILENT_KV, log_dir=tmp_path) as pd:
         results = run_workload(pd.proxy_url, pd.prefill[0].served_model_name, prompts["silent"], MAX_TOKENS,
-                               concurrency=4, progress=False)
+                               concurrency=CONCURRENCY, progress=False)
         assert_pd_idle(pd)
     corrupted = planned_faults(SILENT_KV, SILENT_REQUESTS)["corrupt"]
     abnormal = [(r.index, r.error, len(r.token_ids)) for r in results if not completed_normally(r)]
