@@ -44,15 +44,23 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> Non
     raise AssertionError(f"proxy at {url} not healthy after {timeout} s")
 
 
+PROMPTS = token_prompts([40, 100, 170], seed=3)
+CONTROLS = token_prompts(control_lengths(32), seed=4)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model) -> list[list[int]]:
+    """One reference engine for both connectors."""
+    with llm_engine(tiny_model) as llm:
+        return generate_ids(llm, PROMPTS + CONTROLS, 8)
+
+
 @pytest.mark.parametrize("connector", ["TieredConnector", "NixlConnector"])
-def test_serve_pd_serves_and_shuts_down_cleanly(tiny_model, connector, tmp_path) -> None:
+def test_serve_pd_serves_and_shuts_down_cleanly(tiny_model, colocated, connector, tmp_path) -> None:
     """Identity through serve-pd; for TieredConnector also its negative control on the same pool
     (test hooks on, the proxy passing kvc_fault on): corrupted block-boundary prompts change.
     NixlConnector has no corruption hook (see the conformance suite)."""
-    prompts = token_prompts([40, 100, 170], seed=3)
-    controls = token_prompts(control_lengths(32), seed=4)
-    with llm_engine(tiny_model) as llm:
-        colocated = generate_ids(llm, prompts + controls, 8)
+    prompts, controls = PROMPTS, CONTROLS
     tag = f"kvc-launch-{uuid.uuid4().hex[:8]}"
     port = free_port()
     hooks = connector == "TieredConnector"
