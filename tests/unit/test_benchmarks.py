@@ -288,7 +288,8 @@ def test_layerwise_smoke(tmp_path):
     layer_s = sc["layer_compute_s_emulated"]
     assert layer_s == pytest.approx(cfg["layer_compute_ms"] / 1e3 * 20)
     (prefill,) = on_disk["prefill_alone_s"]
-    assert 4 * layer_s * 0.95 <= prefill <= 4 * layer_s + 0.1  # sleeps to absolute deadlines: no drift
+    # sleeps to absolute deadlines: no drift, only the last wake-up late (generous: a loaded CI host)
+    assert 4 * layer_s * 0.95 <= prefill <= 4 * layer_s + 0.5
     pushed = 4 * 4 * sc["slot_bytes_emulated"]
     assert list(on_disk["links"]) == ["ib200", "25gbe"]
     for name, s in on_disk["links"].items():
