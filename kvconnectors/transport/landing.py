@@ -27,10 +27,13 @@ Who may do what (the landing side faces any peer that reaches the store port):
   so the consumer learns it at once; a peer that knew an id before its producer's first Push could
   pre-empt it that way (as it could claim it), so transfer ids must stay unguessable.
 - Reservation. The first Push checks that the whole transfer would fit in the store's free slots
-  now, but reserves nothing; each group's slots are reserved when its bytes have arrived and
-  passed their checksums, just before they are written (one reservation per group, in arrival
-  order). So a claim of a large transfer holds only what was delivered: a 4 KiB push "of" 128
-  blocks holds one slot. The price: transfers admitted side by side may not all find room for
+  now, but reserves nothing. A tcp push lands in place: its bytes are read straight into the
+  store's slots a chunk (IN_PLACE_CHUNK_BYTES) at a time, each chunk reserved just before its
+  bytes are read and committed once they pass their checksums (a failed chunk gives its slots
+  back with the transfer); the decode then copies slot -> blocks, two host copies in all. Other
+  paths reserve a group when its bytes have arrived and passed their checksums. So a claim of a
+  large transfer holds only what was delivered, plus at most one chunk: a 4 KiB push "of" 128
+  blocks holds one chunk. The price: transfers admitted side by side may not all find room for
   their last groups; the one that does not is refused in step with store_full (its producer keeps
   its copy, the consumer pulls it) and gives back what it held. Reservations take free DRAM, then
   free NVMe; landed entries are not spilled to make room for them.
@@ -38,8 +41,9 @@ Who may do what (the landing side faces any peer that reaches the store port):
   is created with a writer): a stranger's Renew, or Release, is answered "unknown" and neither
   keeps it alive nor ends it.
   From the seal on, anyone who names it may renew it (the consumer's lease keeper does).
-- Receive buffers. A streamed push's bytes land in a buffer lent for that push from one pool
-  shared by every connection (`ReceiveBuffers`): at most `max_receive_bytes` in all (default: a
+- Receive buffers. A push borrows from one pool shared by every connection (`ReceiveBuffers`; a
+  tcp push one chunk, for its rows bound for NVMe; a fault-wrapped one its whole group): at most
+  `max_receive_bytes` in all (default: a
   quarter of the store's DRAM, at least two of the largest Pushes a PushSender sends, 2 x 64 MiB);
   kept for reuse, never per connection. A push that would need more is refused in step with
   store_full (its bytes are read and dropped; the producer keeps its copy, the consumer pulls)
@@ -66,7 +70,9 @@ import xxhash
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.logs import get_logger
 from kvconnectors.store import StoreClosedError, TieredStore
+from kvconnectors.store.buffers import runs
 from kvconnectors.store.sizes import format_size
+from kvconnectors.store.views import WriteTarget
 from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.faults import FaultRule, with_fault
 from kvconnectors.transport.paths import (NIXL_BOUNCE_BYTES, PUSH_UNOFFERED, TCP_PUSH, HungUp, PushPath, hang_up,
@@ -74,6 +80,7 @@ from kvconnectors.transport.paths import (NIXL_BOUNCE_BYTES, PUSH_UNOFFERED, TCP
 from kvconnectors.transport.push import MAX_PUSH_BYTES
 
 logger = get_logger(__name__)
+IN_PLACE_CHUNK_BYTES = 1 << 20    # tcp pushes land in the store a chunk at a time (reserved just ahead)
 MAX_FAILURES = 10_000              # remembered landing failures (oldest forgotten first)
 MAX_MESSAGE = 512                  # characters of a peer's abort message that are kept
 MIN_RECEIVE_BYTES = 2 * MAX_PUSH_BYTES  # the default receive-buffer cap is at least this (128 MiB)
@@ -306,9 +313,11 @@ class Landing:
                 hang_up(sock)  # sizes we cannot trust: the unread bytes would be taken for a frame
             return
         nbytes = rows * self.store.slot_bytes
+        in_place = path is TCP_PUSH  # (a fault wrapper takes the buffered path below)
         try:
             rec = self._claim(msg, conn)  # before the bytes: the consumer sees it is on its way
-            loan = self._borrow(path, nbytes)
+            # in place, only NVMe rows pass through a buffer: one chunk's worth
+            loan = self._borrow(path, min(nbytes, self._chunk_rows * self.store.slot_bytes) if in_place else nbytes)
         except TransferError as exc:
             if trailing and not self._drain(sock, trailing):
                 return
@@ -320,15 +329,18 @@ class Landing:
             return
         conn.buffer = loan if isinstance(loan, np.ndarray) else None
         try:
-            with path.receive(self, sock, msg, conn) as buf:
-                try:
-                    self._land(msg, buf, path.label, rec)
-                except TransferError:
-                    raise
-                except Exception as exc:  # the bytes are in: answer in step
-                    logger.exception("landing %r from %s failed unexpectedly", msg.transfer_id, conn.peer)
-                    raise TransferError(FailureCause.PROTOCOL,
-                                        f"internal error landing this push: {type(exc).__name__}") from None
+            if in_place:
+                self._land_in_place(sock, msg, conn, rec)
+            else:
+                with path.receive(self, sock, msg, conn) as buf:
+                    try:
+                        self._land(msg, buf, path.label, rec)
+                    except TransferError:
+                        raise
+                    except Exception as exc:  # the bytes are in: answer in step
+                        logger.exception("landing %r from %s failed unexpectedly", msg.transfer_id, conn.peer)
+                        raise TransferError(FailureCause.PROTOCOL,
+                                            f"internal error landing this push: {type(exc).__name__}") from None
         except HungUp as broken:  # the stream itself broke
             if broken.error is not None:
                 self._fail(msg.transfer_id, broken.error, conn)
@@ -555,6 +567,96 @@ class Landing:
                 return False
             left -= n
         return True
+
+    @property
+    def _chunk_rows(self) -> int:
+        return max(1, IN_PLACE_CHUNK_BYTES // self.store.slot_bytes)
+
+    def _land_in_place(self, sock: socket.socket, msg: wire.Push, conn: ConnectionState, rec: _InFlight) -> None:
+        """tcp: receive the group straight into its store slots, a chunk at a time: reserve a chunk's
+        slots, read its bytes into them (NVMe rows through the lent buffer), verify, commit. The decode
+        then copies slot -> blocks: two host copies in all, and the reservation runs at most one chunk
+        ahead of the bytes delivered. Every refusal leaves the stream in step (the rest is drained)."""
+        tid = msg.transfer_id
+        unread = [msg.nbytes]  # bytes of this push still on the socket
+        try:
+            self._receive_chunks(sock, msg, conn, unread)
+        except (TransferError, HungUp):
+            raise
+        except Exception as exc:  # a bug: answer in step, keep serving
+            logger.exception("landing %r from %s failed unexpectedly", tid, conn.peer)
+            if not self._drain(sock, unread[0]):
+                raise HungUp(None) from None
+            raise TransferError(FailureCause.PROTOCOL,
+                                f"internal error landing this push: {type(exc).__name__}") from None
+        with self._cond:
+            paths = self._path_bytes.setdefault(tid, {})
+            paths[TCP_PUSH.label] = paths.get(TCP_PUSH.label, 0) + msg.nbytes
+            while len(self._path_bytes) > MAX_FAILURES:
+                self._path_bytes.popitem(last=False)
+
+    def _receive_chunks(self, sock: socket.socket, msg: wire.Push, conn: ConnectionState, unread: list[int]) -> None:
+        slot, tid, n_blocks = self.store.slot_bytes, msg.transfer_id, msg.num_blocks
+        silent = tamper.kind_of(tid, self.test_hooks) == "corrupt"
+        deadline = time.monotonic() + 60
+
+        def refuse(err: TransferError) -> TransferError:
+            if not self._drain(sock, unread[0]):
+                raise HungUp(None)
+            return err
+
+        for li, layer in enumerate(msg.layers):
+            for j in range(0, n_blocks, self._chunk_rows):
+                n, first = min(self._chunk_rows, n_blocks - j), msg.first_block + j
+                try:
+                    self.store.reserve(tid, layer, first, n)
+                    target = self.store.begin_write(tid, layer, first, n)
+                except StoreFullError as exc:
+                    raise refuse(TransferError(FailureCause.STORE_FULL, f"landing store: {exc.detail}")) from None
+                except (ValueError, IndexError) as exc:  # e.g. sealed meanwhile, or a bound the checks missed
+                    raise refuse(TransferError(FailureCause.PROTOCOL, f"pushed transfer {tid!r}: {exc}")) from None
+                ok = False
+                try:
+                    rows = self._receive_rows(sock, target, conn, deadline, unread)
+                    if silent:  # test hook: corrupt where the bytes landed, unnoticed by checksums
+                        tamper.corrupt([memoryview(r) for r in rows])
+                    if msg.checksums is not None and not silent:
+                        base = li * n_blocks + j
+                        for k, row in enumerate(rows):
+                            got, want = xxhash.xxh3_64_intdigest(row), msg.checksums[base + k]
+                            if got != want:
+                                raise refuse(TransferError(FailureCause.CHECKSUM_MISMATCH, (
+                                    f"pushed transfer {tid!r}: layer {layer} block {first + k} has checksum "
+                                    f"{got:016x}, producer staged {want:016x}")))
+                    ok = True
+                finally:
+                    nvme = conn.bounce(target.nvme_pos.size * slot).reshape(-1, slot) if ok else None
+                    try:
+                        self.store.end_write(target, nvme, ok=ok)
+                    except OSError as exc:
+                        if ok:  # (otherwise the error on its way out says more)
+                            raise refuse(TransferError(FailureCause.STORE_FULL,
+                                                       f"landing store write failed: {exc}")) from None
+
+    def _receive_rows(self, sock: socket.socket, target: WriteTarget, conn: ConnectionState,
+                      deadline: float, unread: list[int]) -> list[np.ndarray]:
+        """Read the target's rows, in order, into their DRAM slots (a run of consecutive slots in one
+        read) or, for NVMe rows, the connection's lent buffer; returns the rows, in order."""
+        slot = self.store.slot_bytes
+        segments = [(pos, target.slots[first:first + count]) for pos, first, count in target.dram_runs]
+        if target.nvme_pos.size:
+            bounce = conn.bounce(target.nvme_pos.size * slot).reshape(-1, slot)
+            segments += [(int(target.nvme_pos[i]), bounce[i:i + count])
+                         for i, _, count in runs(target.nvme_pos)]
+        rows: list[np.ndarray] = []
+        for _, seg in sorted(segments, key=lambda s: s[0]):
+            try:
+                wire.recv_exact(sock, memoryview(seg.reshape(-1)), deadline)
+            except TransferError as exc:  # the stream itself broke
+                raise HungUp(exc) from None
+            unread[0] -= seg.nbytes
+            rows.extend(seg)
+        return rows
 
     def _land(self, msg: wire.Push, buf: np.ndarray, label: str, rec: _InFlight) -> None:
         """Verify, reserve and write one group that arrived over the path `label` (bytes counted

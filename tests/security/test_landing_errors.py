@@ -85,7 +85,7 @@ def test_an_unexpected_error_while_landing_is_answered_and_the_server_goes_on(sr
     def boom(*args, **kw):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(srv.store, "write", boom)
+    monkeypatch.setattr(srv.store, "begin_write", boom)  # every landing path writes through it
     exc = refused(push, c, "b", [0], 0, 2, 2)
     assert exc.cause is FailureCause.PROTOCOL
     monkeypatch.undo()
