@@ -1,4 +1,11 @@
-"""What a worker's KV cache is, as far as a peer must agree: the layout fingerprint.
+"""What a worker's KV cache is, as far as a peer must agree: the layout fingerprints.
+
+`fingerprint` describes the model's whole KV (total KV heads, per-head block bytes and shape,
+dtype, layout, backend and packing, block size, model), not one rank's shard: prefill and decode
+pools of different TP sizes share it, and the ticket says each side's TP size (issue 20).
+`rows_fingerprint` is the previous fingerprint (one rank's rows, with tp_size): equal exactly when
+a producer rank's rows are byte for byte a consumer rank's rows. Push mode lands rows unsliced and
+checks it; previous-version tickets (v3) carry it.
 
 The byte geometry (where each block's bytes live, for every KVCacheLayout, on cpu or cuda) is
 the mover's (kvconnectors/mover/geometry.py). Blocks move as opaque bytes, never sliced per
@@ -34,10 +41,36 @@ class KVLayout:
     backend: str = "unknown"        # attention backend: it decides what a block's bytes mean
     cache_dtype: str = "auto"       # vLLM's kv_cache_dtype (fp8 variants differ in meaning)
     packing: str = ""               # CPU_ATTN: the ISA packing of a block's interior (amx, vec, vec16, ...)
+    total_kv_heads: int = 0         # the model's KV heads over all ranks (0: block_shape[0] * tp_size)
+    physical_layout: str = ""       # the cache's own layout name (cache_layout is normalised for one head)
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_names)
+
+    @property
+    def kv_heads(self) -> int:
+        """The model's KV heads (replicated heads counted once)."""
+        return self.total_kv_heads or self.block_shape[0] * self.tp_size
+
+    def describe_model(self) -> dict:
+        """The whole model's KV, whatever the TP size: what both pools must share to reslice."""
+        one_head = self.kv_heads == 1  # then H and N orders hold the same bytes (see _SAME_WITH_ONE_HEAD)
+        local = self.block_shape[0]
+        return {"layers": list(self.layer_names), "block_size": self.block_size, "kv_heads": self.kv_heads,
+                "head_block": list(self.block_shape[1:]), "head_bytes": self.block_bytes // local,
+                "dtype": self.dtype, "model": self.model, "backend": self.backend,
+                "cache_layout": self.cache_layout if one_head else (self.physical_layout or self.cache_layout),
+                "cache_dtype": self.cache_dtype, **({"packing": self.packing} if self.packing else {})}
+
+    def describe_side(self) -> str:
+        """This side's TP size and KV heads, for messages naming both sides."""
+        return f"TP {self.tp_size}, {self.kv_heads} KV heads ({self.block_shape[0]} on rank {self.tp_rank})"
+
+    @property
+    def fingerprint(self) -> str:
+        # the "kv" prefix keeps it from ever equalling a rows fingerprint
+        return xxhash.xxh3_64_hexdigest(b"kv" + json.dumps(self.describe_model(), sort_keys=True).encode())
 
     def describe(self) -> dict:
         # device is left out: a block means the same on cpu and cuda when the layout and backend do
@@ -48,7 +81,7 @@ class KVLayout:
                 **({"packing": self.packing} if self.packing else {})}
 
     @property
-    def fingerprint(self) -> str:
+    def rows_fingerprint(self) -> str:
         # tp_rank is left out on purpose: rank i of the consumer talks to rank i of the producer.
         return xxhash.xxh3_64_hexdigest(json.dumps(self.describe(), sort_keys=True).encode())
 
@@ -58,7 +91,7 @@ _SAME_WITH_ONE_HEAD = {"LBNHC": "LBHNC", "BLNHC": "BLHNC", "LHBNC": "LBHNC", "BH
 
 
 def layout_of(geometry: BlockGeometry, block_size: int, tp_size: int = 1, tp_rank: int = 0,
-              model: str = "") -> KVLayout:
+              model: str = "", total_kv_heads: int = 0) -> KVLayout:
     layout = geometry.layout
     if geometry.block_shape and geometry.block_shape[0] == 1:
         layout = _SAME_WITH_ONE_HEAD.get(layout, layout)
@@ -68,7 +101,8 @@ def layout_of(geometry: BlockGeometry, block_size: int, tp_size: int = 1, tp_ran
                     model=model, backend=geometry.backend,
                     # plain float dtypes are said by `dtype`; only fp8's flavour adds meaning
                     cache_dtype=geometry.cache_dtype if geometry.cache_dtype.startswith("fp8") else "auto",
-                    packing=cpu_attention_packing(geometry, block_size) if geometry.backend == "CPU_ATTN" else "")
+                    packing=cpu_attention_packing(geometry, block_size) if geometry.backend == "CPU_ATTN" else "",
+                    total_kv_heads=1 if geometry.mla else total_kv_heads, physical_layout=geometry.layout)
 
 
 def cpu_attention_packing(geometry: BlockGeometry, block_size: int) -> str:
@@ -84,9 +118,9 @@ def cpu_attention_packing(geometry: BlockGeometry, block_size: int) -> str:
 
 def detect_layout(kv_caches: dict[str, torch.Tensor], block_size: int, cache_layout: str = "unknown",
                   tp_size: int = 1, tp_rank: int = 0, model: str = "", backend: str = "unknown",
-                  cache_dtype: str = "auto") -> tuple[KVLayout, BlockGeometry]:
+                  cache_dtype: str = "auto", total_kv_heads: int = 0) -> tuple[KVLayout, BlockGeometry]:
     """Check the registered caches (refusing what cannot move, naming backend, layout and dtype)
     and return the layout peers must share, with the mover's geometry."""
     geometry = describe_kv_caches(kv_caches, block_size=block_size, layout=cache_layout, backend=backend,
                                   cache_dtype=cache_dtype)
-    return layout_of(geometry, block_size, tp_size, tp_rank, model), geometry
+    return layout_of(geometry, block_size, tp_size, tp_rank, model, total_kv_heads), geometry

@@ -52,5 +52,6 @@ class TieredHandshakeMetadata(KVConnectorHandshakeMetadata):
     host: str
     port: int
     tp_rank: int
-    fingerprint: str
+    fingerprint: str            # the model-wide KV fingerprint (KVLayout.fingerprint)
     shm_path: str = ""
+    kv_heads: int = 0           # the model's KV heads (issue 20: goes in tickets with the rank count)

@@ -16,10 +16,10 @@ import xxhash
 
 from kvconnectors.errors import FailureCause, TransferError
 
-PARAMS_VERSION = 3  # 2: push_target; 3: token
+PARAMS_VERSION = 4  # 2: push_target; 3: token; 4: model-wide fingerprint, tp_size, kv_heads
 # Tickets a consumer accepts: the previous version too, for one release (a producer pool may still
-# run it while the consumers are upgraded). v2 had no token: it reads as "" (its producer, of the
-# previous wire version, checks none).
+# run it while the consumers are upgraded). v3 carries the rows fingerprint (KVLayout.rows_fingerprint,
+# with the producer's TP size in it): only an equal-TP consumer may load it, as before.
 ACCEPTED_PARAMS_VERSIONS = (PARAMS_VERSION - 1, PARAMS_VERSION)
 KEY = "kvc"
 _MAX_TOKENS = 1 << 24
@@ -40,14 +40,14 @@ class PeerAddress(msgspec.Struct, array_like=True):
 
 
 class TransferParams(msgspec.Struct, forbid_unknown_fields=True):
-    """The consumer's ticket to one staged transfer. Version 3."""
+    """The consumer's ticket to one staged transfer. Version 4."""
     v: int
     transfer_id: str
     addrs: list[PeerAddress]        # producer store server per tensor-parallel rank
     num_tokens: int                 # prompt tokens staged
     num_blocks: int
     block_size: int
-    fingerprint: str                # KV layout fingerprint; must equal the consumer's
+    fingerprint: str                # v4: model-wide KV fingerprint (v3: rows fingerprint); must equal the consumer's
     prompt_hash: str                # xxh3 of the prompt token ids: the consumer must hold the same prompt
     lease_ttl_s: float              # remaining TTL when issued
     issued_at: float                # producer wall clock at issue, for diagnostics only
@@ -55,6 +55,8 @@ class TransferParams(msgspec.Struct, forbid_unknown_fields=True):
     shm_path: str = ""
     push_target: str = ""           # push mode: the landing store (rank 0) the producer streamed to
     token: str = ""                 # v3: the transfer's capability at the producer's store servers
+    tp_size: int = 0                # v4: the producer's TP size (= len(addrs): addrs[r] serves rank r's heads)
+    kv_heads: int = 0               # v4: the model's KV heads (vLLM's split gives each rank's range)
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -97,10 +99,16 @@ def parse(params: dict[str, Any], prompt_token_ids: list[int] | None, block_size
     if p.v < 3 and p.token:  # (a token is never echoed: it is a capability)
         raise TransferError(FailureCause.BAD_PARAMS, (
             f"kv_transfer_params.{KEY}.token: version {p.v} tickets have no token (added in version 3)"))
+    if p.v < 4 and (p.tp_size or p.kv_heads):
+        raise bad("tp_size" if p.tp_size else "kv_heads", f"version {p.v} tickets have none (added in version 4)")
     if not p.transfer_id or len(p.transfer_id) > 512:
         raise bad("transfer_id", "must be 1..512 characters")
     if not p.addrs or any(not (0 < a.port < 65536) or not a.host for a in p.addrs):
         raise bad("addrs", "needs host and a port in 1..65535 per rank")
+    if p.v >= 4 and p.tp_size != len(p.addrs):
+        raise bad("tp_size", f"must equal the {len(p.addrs)} producer addresses (one per rank)")
+    if p.v >= 4 and not 0 < p.kv_heads <= 1 << 16:
+        raise bad("kv_heads", "must be a positive number of KV heads")
     if not 0 < p.num_tokens <= _MAX_TOKENS:
         raise bad("num_tokens", f"must be in 1..{_MAX_TOKENS}")
     if p.block_size != block_size:

@@ -53,6 +53,7 @@ class TieredConnectorScheduler:
         self._engine_policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
         self._addrs: list[kvparams.PeerAddress] = []
         self._fingerprint = ""
+        self._kv_heads = 0
         self._shm_path = ""
         self._producing: dict[str, _Producing] = {}
         self._recvs: list[RecvSpec] = []
@@ -61,6 +62,11 @@ class TieredConnectorScheduler:
         self._waiting_remote: dict[str, tuple[list[tuple[str, int]], str, str]] = {}
         self._warned_push = False
         self._pushed: set[str] = set()  # consumer requests whose KV is pushed into our landing store
+        self._tp_size = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+        # consumer requests from a producer of another TP size: a producer rank may serve several of
+        # our ranks, so no worker releases it; the lease keeper releases every rank once vLLM reports
+        # the load finished (or failed) on all of ours
+        self._resliced: dict[str, tuple[list[tuple[str, int]], str, str]] = {}
         self._locator: StoreClient | None = None  # to our own landing store, for hit sources
         self._secret = load_secret(config.secret_file)
         self._compat = config.compat
@@ -84,6 +90,7 @@ class TieredConnectorScheduler:
             return
         self._addrs = [kvparams.PeerAddress(self.config.advertise_host or m.host, m.port) for m in metas]
         self._fingerprint = metas[0].fingerprint
+        self._kv_heads = metas[0].kv_heads
         self._shm_path = metas[0].shm_path
         logger.info("TieredConnector store server(s) at %s (layout %s)",
                     ", ".join(f"{a.host}:{a.port}" for a in self._addrs), self._fingerprint)
@@ -99,7 +106,9 @@ class TieredConnectorScheduler:
             return  # reported when the load is attempted
         addrs = [(a.host, a.port) for a in tp.addrs]  # every tensor-parallel rank holds a shard
         self._waiting_remote[request.request_id] = (addrs, tp.transfer_id, tp.token)
-        if tp.push_target and self.config.transfer_mode == "push":
+        if tp.v >= 4 and tp.tp_size != self._tp_size:
+            self._resliced[request.request_id] = (addrs, tp.transfer_id, tp.token)  # pulled: pushed rows don't fit
+        elif tp.push_target and self.config.transfer_mode == "push":
             # Pushed here: the copy that matters is in our own landing stores, under their own lease,
             # which must outlive the request's time in our queue. The producer's staged copy is
             # renewed too: it is what a refused or broken push falls back to. Either may be absent
@@ -260,7 +269,11 @@ class TieredConnectorScheduler:
         """Loads that finished (or failed) need no more heartbeats."""
         if self._keeper is not None:
             for req_id in getattr(output, "finished_recving", None) or ():
-                self._keeper.untrack(req_id)
+                resliced = self._resliced.pop(req_id, None)
+                if resliced is not None:
+                    self._keeper.release(req_id, *resliced)
+                else:
+                    self._keeper.untrack(req_id)
 
     # ------------------------------------------------------------------ finish
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -281,10 +294,11 @@ class TieredConnectorScheduler:
                 fingerprint=self._fingerprint, prompt_hash=kvparams.prompt_hash(prompt),
                 lease_ttl_s=self.config.lease_ttl_s,  # renewed when the entry was sealed, just now
                 issued_at=time.time(), transport=self.config.transport, shm_path=self._shm_path,
-                push_target=st.push_target, token=st.token)
+                push_target=st.push_target, token=st.token, tp_size=len(self._addrs), kv_heads=self._kv_heads)
             # False: the engine's blocks are free now; the staged copy serves the consumer.
             return False, kvparams.producer_params(ticket, self.engine_id)
         waiting = self._waiting_remote.pop(req_id, None)
+        self._resliced.pop(req_id, None)  # (aborted before its load: `waiting` releases every rank)
         if req_id in self._pushed:
             self._pushed.discard(req_id)
             if self._keeper is not None:

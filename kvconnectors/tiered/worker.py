@@ -31,7 +31,10 @@ from kvconnectors.store import StoreConfig, TieredStore
 from kvconnectors.store.reaper import Reaper
 from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.mover import BlockGeometry, CopyEvent, DeviceOps, Loader, Stager, ops_for
+from kvconnectors.mover.geometry import UnsupportedKVCache
+from kvconnectors.mover.reslice import RowLayout, copy_heads, geometry_row_layout
 from kvconnectors.tiered.layout import KVLayout, detect_layout
+from kvconnectors.tiered.tp import Reslice, plan_for
 from kvconnectors.tiered.metadata import RecvSpec, SaveSpec, TieredConnectorMetadata, TieredHandshakeMetadata
 from kvconnectors.tiered.params import TransferParams
 from kvconnectors.tiered.stats import TieredStats
@@ -126,7 +129,12 @@ class TieredConnectorWorker:
         tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
         self.layout, self.geometry = detect_layout(
             kv_caches, self.block_size, self._cache_layout, self.tp_size, tp_rank, model=self._model_name,
-            backend=_attention_backend(self._vllm_config), cache_dtype=self._cache_dtype)
+            backend=_attention_backend(self._vllm_config), cache_dtype=self._cache_dtype,
+            total_kv_heads=_total_kv_heads(self._vllm_config))
+        try:  # needed only when a producer runs another TP size: refused then, naming layout and dtype
+            self._row_layout: RowLayout | UnsupportedKVCache = geometry_row_layout(self.geometry)
+        except UnsupportedKVCache as exc:
+            self._row_layout = exc
         self.ops = ops_for(self.geometry.device)
         self.loader = Loader(self.geometry, self.ops)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
@@ -151,12 +159,14 @@ class TieredConnectorWorker:
         if landing:
             push_paths = [TCP_PUSH] + ([NixlPush(sink_factory=lambda: nixl_transport.NixlSink(
                 tag=f"landing-{self.engine_id}"))] if cfg.transport == "nixl" else [])
-            self.landing = Landing(self.store, fingerprint=self.layout.fingerprint,
+            # pushes land rows unsliced: the producer's rows must be ours byte for byte
+            self.landing = Landing(self.store, fingerprint=self.layout.rows_fingerprint,
                                    num_layers=self.layout.num_layers, paths=push_paths, test_hooks=cfg.test_hooks)
         # peers of the previous wire version too (allow_previous_wire): pools are upgraded one at a time.
         # A producer-only server knows every transfer by its token (granted when its staging starts);
         # a landing store also holds pushed entries, which are granted no token here.
         self.server = StoreServer(self.store, cfg.bind_host, port, fingerprint=self.layout.fingerprint,
+                                  rows_fingerprint=self.layout.rows_fingerprint,
                                   num_layers=self.layout.num_layers, compat=self._compat,
                                   secret=self._secret, idle_timeout_s=cfg.server_idle_timeout_s,
                                   staging_failure=self._staging_failed.get, faults=cfg.fault_plan,
@@ -164,7 +174,7 @@ class TieredConnectorWorker:
                                   require_grants=self.is_producer and not landing,
                                   protection=cfg.wire_protection)
         if self.is_producer:
-            self.pusher = PushSender(self.store, fingerprint=self.layout.fingerprint,
+            self.pusher = PushSender(self.store, fingerprint=self.layout.rows_fingerprint,
                                      num_layers=self.layout.num_layers, client_factory=self._client,
                                      timeout_s=cfg.load_timeout_s, on_done=self._push_done,
                                      path=NixlPush(source=self.server.nixl) if self.server.nixl else TCP_PUSH)
@@ -197,7 +207,8 @@ class TieredConnectorWorker:
             return None
         return TieredHandshakeMetadata(host=self.config.advertise_host or self.server.host, port=self.server.port,
                                        tp_rank=self.layout.tp_rank, fingerprint=self.layout.fingerprint,
-                                       shm_path=self.store.shm_path or "" if self.store else "")
+                                       shm_path=self.store.shm_path or "" if self.store else "",
+                                       kv_heads=self.layout.kv_heads)
 
     # ------------------------------------------------------------------ producer
     def save_kv_layer(self, meta: TieredConnectorMetadata, layer_name: str) -> None:
@@ -461,6 +472,8 @@ class TieredConnectorWorker:
             return
         try:
             p = msgspec.convert(spec.params, TransferParams)
+            if p.v >= 4 and p.tp_size != self.layout.tp_size:
+                return  # resliced: the scheduler's lease keeper releases every producer rank
             with self._producer_client(p, min(self.layout.tp_rank, len(p.addrs) - 1)) as client:
                 client.release(p.transfer_id, time.monotonic() + self.config.connect_timeout_s, token=p.token)
         except (TransferError, OSError, msgspec.ValidationError) as release_exc:
@@ -494,13 +507,7 @@ class TieredConnectorWorker:
             raise TransferError(spec.error_cause, spec.error_message)
         p = msgspec.convert(spec.params, TransferParams)
         layout = self.layout
-        if p.fingerprint != layout.fingerprint:  # checked before any byte lands in the KV cache
-            raise TransferError(FailureCause.LAYOUT_MISMATCH, (
-                f"producer KV layout {p.fingerprint} differs from this consumer's {layout.fingerprint} "
-                f"({layout.describe()})"))
-        if layout.tp_rank >= len(p.addrs):
-            raise TransferError(FailureCause.LAYOUT_MISMATCH,
-                                f"producer has {len(p.addrs)} ranks, this consumer is rank {layout.tp_rank}")
+        reslice = plan_for(p, layout, self._row_layout)  # checked before any byte lands in the KV cache
         num_blocks = p.num_blocks - spec.first_block
         if num_blocks <= 0:
             return {}
@@ -509,6 +516,8 @@ class TieredConnectorWorker:
                                 f"{len(spec.block_ids)} local blocks allocated for {num_blocks} remote blocks")
         targets = spec.block_ids[:num_blocks]
         fault = tamper.kind_of(p.transfer_id, self.config.test_hooks)
+        if reslice is not None:  # another TP size: pushes were refused (rows differ), pull the slices
+            return self._pull_resliced(spec, p, reslice, targets, deadline, fault)
         if p.push_target and self.landing is not None:
             try:
                 # at most half the time left: a pull from the producer must still fit after it
@@ -534,7 +543,7 @@ class TieredConnectorWorker:
         dest_addrs = self.loader.direct_addrs(layers, targets) if isinstance(path, NixlPull) else None
         with self._producer_client(p, layout.tp_rank) as client:
             nbytes = client.read(p.transfer_id, layers, spec.first_block, dest,
-                                 fingerprint=layout.fingerprint, deadline=deadline,
+                                 fingerprint=p.fingerprint, deadline=deadline,
                                  verify=self.config.checksum and fault != "corrupt",
                                  path=path, dest_addrs=dest_addrs, token=p.token)
             if fault == "corrupt":  # test hook: silently, where the data path delivered the bytes
@@ -551,6 +560,43 @@ class TieredConnectorWorker:
                                    p.transfer_id, exc)
         return {path.label: nbytes}
 
+    def _pull_resliced(self, spec: RecvSpec, p: TransferParams, rs: Reslice, targets: list[int],
+                       deadline: float, fault: str | None) -> dict[str, int]:
+        """Another TP size: read every (layer, block) row of each producer rank the plan names
+        (whole rows: their checksums verify as staged), copy its head runs into this rank's rows,
+        and load them only when every rank's slices are in: a failed rank fails the load, named,
+        and nothing partial reaches the cache. No release here: a producer rank may serve several
+        consumer ranks, so the scheduler's lease keeper releases every rank once all are done.
+        Over tcp only (shm and nixl release inside the read)."""
+        layers = range(self.layout.num_layers)
+        n = len(targets)
+        if self.config.transport != "tcp":
+            self._record("record_path_fallback", self.config.transport, TCP_PULL.label)
+        mine = self.loader.landing_buffer(len(layers) * n)
+        nbytes = 0
+        try:
+            for rank in rs.ranks:
+                theirs = np.empty((len(layers) * n, rs.producer_row.row_bytes), np.uint8)
+                addr = f"{p.addrs[rank].host}:{p.addrs[rank].port}"
+                try:
+                    with self._producer_client(p, rank) as client:
+                        nbytes += client.read(p.transfer_id, layers, spec.first_block, list(map(memoryview, theirs)),
+                                              fingerprint=p.fingerprint, deadline=deadline,
+                                              verify=self.config.checksum and fault != "corrupt", path=TCP_PULL,
+                                              token=p.token)
+                except TransferError as exc:
+                    raise TransferError(exc.cause, f"producer rank {rank} of {rs.producer_tp} ({addr}): {exc.detail}",
+                                        refused=exc.refused) from None
+                if fault == "corrupt":  # test hook: silently, where the data path delivered the bytes
+                    tamper.corrupt(theirs)
+                for step in rs.steps_of(rank):
+                    copy_heads(theirs, rs.producer_row, step.producer_heads, mine, rs.consumer_row, step.consumer_heads)
+        except BaseException:
+            self.loader.release_buffer(mine)
+            raise
+        self._load_rows(mine, layers, targets, deadline)
+        return {TCP_PULL.label: nbytes}
+
     def _pull_to_device(self, spec: RecvSpec, p: TransferParams, layers: range, targets: list[int],
                         deadline: float) -> dict[str, int]:
         """GPU-direct nixl: READ the rows straight into the device blocks. client.read returns only
@@ -561,7 +607,7 @@ class TieredConnectorWorker:
         assert path is not None
         rows = nixl_device.device_rows(self.geometry, layers, targets)
         with self._producer_client(p, self.layout.tp_rank) as client:
-            nbytes = client.read(p.transfer_id, layers, spec.first_block, rows, fingerprint=self.layout.fingerprint,
+            nbytes = client.read(p.transfer_id, layers, spec.first_block, rows, fingerprint=p.fingerprint,
                                  deadline=deadline, verify=self.config.checksum, path=path, token=p.token)
         return {path.label: nbytes}
 
@@ -718,6 +764,16 @@ class TieredConnectorWorker:
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+def _total_kv_heads(vllm_config: Any) -> int:
+    """The model's KV heads over all ranks (0 where the config cannot say: tests without a model)."""
+    get = getattr(getattr(vllm_config, "model_config", None), "get_total_num_kv_heads", None)
+    try:
+        return int(get()) if get is not None else 0
+    except Exception as exc:  # a config built without an hf_config (tests): the layout derives it
+        logger.debug("total KV heads unknown: %r", exc)
+        return 0
 
 
 def _attention_backend(vllm_config: Any) -> str:

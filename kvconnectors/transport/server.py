@@ -117,12 +117,14 @@ class StoreServer:
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, max_pending: int = 64,
                  max_pending_per_peer: int | None = None, max_per_peer: int = 64,
                  require_grants: bool = False, max_grants: int = MAX_GRANTS, log_interval_s: float = 10.0,
-                 protection: str = wire.HANDSHAKE):
+                 protection: str = wire.HANDSHAKE, rows_fingerprint: str = ""):
         """`compat`: the hash peers must present, or one per admitted protocol version
         (wire.compat_hashes: peers of the previous version too). `paths`: the pull data paths
         offered (default: tcp, shm when the store has an arena, nixl when `nixl`).
         `require_grants`: an id never granted a token is unknown (a producer's server, where every
-        transfer is granted when its staging starts). `protection`: the wire_protection setting."""
+        transfer is granted when its staging starts). `protection`: the wire_protection setting.
+        `rows_fingerprint`: a Read may present it instead of `fingerprint` (a consumer holding a
+        previous-version ticket, which carries it)."""
         check_protection(protection, secret)
         if protection == wire.AEAD and (nixl or (paths is not None and any(p.name == NixlPull.name for p in paths))):
             raise ConfigError("wire_protection", protection, (
@@ -130,6 +132,7 @@ class StoreServer:
                 "use transport tcp (or shm on one host) with aead"))
         self.protection = protection
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
+        self.rows_fingerprint = rows_fingerprint or fingerprint
         self.compat = dict(compat) if isinstance(compat, Mapping) else {wire.PROTOCOL_VERSION: compat}
         self.secret = secret
         self.idle_timeout_s, self.seal_wait_s = idle_timeout_s, seal_wait_s
@@ -563,7 +566,8 @@ class StoreServer:
     # ------------------------------------------------------------------ requests
     def _validate_read(self, msg: wire.Read, session: Session | None = None) -> PullPath:
         wire.check_transfer_id(msg.transfer_id)
-        wire.check_fingerprint(msg.fingerprint, self.fingerprint, peer="consumer", us="producer",
+        ours = self.rows_fingerprint if msg.fingerprint == self.rows_fingerprint else self.fingerprint
+        wire.check_fingerprint(msg.fingerprint, ours, peer="consumer", us="producer",
                                reveal=session is not None and session.authenticated)
         wire.check_layers(msg.layers, self.num_layers)
         if not (0 <= msg.first_block < MAX_BLOCKS and 1 <= msg.num_blocks <= MAX_BLOCKS):

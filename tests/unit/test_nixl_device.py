@@ -370,7 +370,7 @@ def test_worker_with_registered_vram_pulls_into_device_rows(fake, monkeypatch):
     try:
         w._open_nixl_device()
         assert isinstance(w._nixl_device, NixlDevicePull) and w.totals.data["nixl_vram_fallbacks"] == {}
-        out = w._pull_to_device(SimpleNamespace(first_block=0), SimpleNamespace(transfer_id="t", token="k"),
+        out = w._pull_to_device(SimpleNamespace(first_block=0), SimpleNamespace(transfer_id="t", token="k", fingerprint="f"),
                                 range(3), [4, 1], time.monotonic() + 5)
         assert out == {"nixl_vram": 6 * w.geometry.block_bytes}
         assert seen["path"] is w._nixl_device and seen["verify"] is False

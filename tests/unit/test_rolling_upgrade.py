@@ -1,6 +1,6 @@
 """Rolling upgrades: a store server admits peers of the previous wire version (v3) for one release,
 a client speaks v3 to a server that admits only v3, and a consumer accepts the previous ticket
-version (params v2); anything older is refused naming both versions.
+version (params v3); anything older is refused naming both versions.
 
 The v3 peer here speaks the frozen v3 dialect, copied from wire.py as it was before v4 (commit
 f51b62c): its own structs, its own msgpack union, its own compat hash formula and its one-way
@@ -8,7 +8,7 @@ HMAC challenge, so the test does not borrow today's encoding. No engine.
 
 Negative controls, seen to fail: with wire.ACCEPTED_VERSIONS = (PROTOCOL_VERSION,) the v3 read
 is refused at the handshake ("its protocol v3 is not admitted"); with
-params.ACCEPTED_PARAMS_VERSIONS = (PARAMS_VERSION,) the v2 ticket is refused (bad_params, field v);
+params.ACCEPTED_PARAMS_VERSIONS = (PARAMS_VERSION,) the v3 ticket is refused (bad_params, field v);
 with StoreServer._check_token accepting any token, the v3 peer reads a granted entry. The `window`
 tests below keep the first two controls in the suite.
 """
@@ -358,9 +358,19 @@ def _ticket(v: int, **extra) -> dict:
     return {kvparams.KEY: raw, "do_remote_prefill": True}
 
 
-def test_a_v2_ticket_is_parsed_with_defaults_for_what_v2_lacked() -> None:
-    p = kvparams.parse(_ticket(2, push_target="127.0.0.1:7000"), list(range(20)), 16)
-    assert p.v == 2 and p.token == "" and p.push_target == "127.0.0.1:7000" and p.transfer_id == "e:r1"
+def test_a_v3_ticket_is_parsed_with_defaults_for_what_v3_lacked() -> None:
+    p = kvparams.parse(_ticket(3, push_target="127.0.0.1:7000", token=kvparams.new_token()), list(range(20)), 16)
+    assert p.v == 3 and p.tp_size == 0 and p.kv_heads == 0 and p.push_target == "127.0.0.1:7000"
+
+
+def test_a_v4_ticket_states_the_producer_tp_and_kv_heads() -> None:
+    token = kvparams.new_token()
+    p = kvparams.parse(_ticket(4, token=token, tp_size=1, kv_heads=2), list(range(20)), 16)
+    assert (p.tp_size, p.kv_heads) == (1, 2)
+    with pytest.raises(TransferError, match=r"kvc\.tp_size=2.*1 producer addresses"):
+        kvparams.parse(_ticket(4, token=token, tp_size=2, kv_heads=2), list(range(20)), 16)
+    with pytest.raises(TransferError, match=r"kvc\.kv_heads=0"):
+        kvparams.parse(_ticket(4, token=token, tp_size=1), list(range(20)), 16)
 
 
 def test_a_v3_ticket_needs_its_token() -> None:
@@ -372,21 +382,21 @@ def test_a_v3_ticket_needs_its_token() -> None:
         assert bad not in str(exc.value) or not bad, "a token is never echoed"
 
 
-@pytest.mark.parametrize("v", [1, kvparams.PARAMS_VERSION + 1])
+@pytest.mark.parametrize("v", [2, kvparams.PARAMS_VERSION + 1])
 def test_tickets_outside_the_window_are_refused_naming_the_versions(v) -> None:
     with pytest.raises(TransferError) as exc:
         kvparams.parse(_ticket(v), list(range(20)), 16)
     assert exc.value.cause is FailureCause.BAD_PARAMS
-    assert f"kvc.v={v}" in str(exc.value) and "accepts versions 2 and 3" in str(exc.value), exc.value
+    assert f"kvc.v={v}" in str(exc.value) and "accepts versions 3 and 4" in str(exc.value), exc.value
 
 
-def test_a_v2_ticket_cannot_carry_a_v3_field() -> None:
-    with pytest.raises(TransferError, match="token.*added in version 3"):
-        kvparams.parse(_ticket(2, token=kvparams.new_token()), list(range(20)), 16)
+def test_a_v3_ticket_cannot_carry_a_v4_field() -> None:
+    with pytest.raises(TransferError, match="tp_size.*added in version 4"):
+        kvparams.parse(_ticket(3, token=kvparams.new_token(), tp_size=1), list(range(20)), 16)
 
 
-def test_without_the_window_a_v2_ticket_is_refused(monkeypatch) -> None:
-    """Control: the window, not a lenient parser, is what admits v2 tickets."""
+def test_without_the_window_a_v3_ticket_is_refused(monkeypatch) -> None:
+    """Control: the window, not a lenient parser, is what admits v3 tickets."""
     monkeypatch.setattr(kvparams, "ACCEPTED_PARAMS_VERSIONS", (kvparams.PARAMS_VERSION,))
-    with pytest.raises(TransferError, match=r"kvc\.v=2"):
-        kvparams.parse(_ticket(2), list(range(20)), 16)
+    with pytest.raises(TransferError, match=r"kvc\.v=3"):
+        kvparams.parse(_ticket(3, token=kvparams.new_token()), list(range(20)), 16)

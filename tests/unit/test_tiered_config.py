@@ -55,7 +55,7 @@ def _ticket(prompt: list[int]) -> dict:
     p = kvparams.TransferParams(v=kvparams.PARAMS_VERSION, transfer_id="e:r1", addrs=[kvparams.PeerAddress("127.0.0.1", 5000)],
                                 num_tokens=len(prompt), num_blocks=-(-len(prompt) // 32), block_size=32,
                                 fingerprint="f" * 16, prompt_hash=kvparams.prompt_hash(prompt), lease_ttl_s=30.0,
-                                issued_at=0.0, token=kvparams.new_token())
+                                issued_at=0.0, token=kvparams.new_token(), tp_size=1, kv_heads=2)
     return kvparams.producer_params(p, "engine")
 
 

@@ -1,0 +1,256 @@
+"""Prefill and decode pools of different TP sizes through the real worker code (issue 20), no engine.
+
+Producer ranks and consumer ranks are TieredConnectorWorkers in this process, each with its own
+CPU KV cache (vLLM's CPU shape [blocks, heads, tokens, 2 * head_size]), store and tcp store server.
+The tiny model's 2 KV heads: one TP=1 reference cache holds both; a TP=2 rank holds head r of it.
+Producers stage through save_kv_layer / wait_for_save; consumers load through start_load_kv /
+take_results; every consumer rank's loaded blocks are compared byte for byte with the reference's
+heads of that rank. Negative controls: a corrupted producer rank (server fault plan), a killed
+producer rank, a different model-wide layout, an unsliceable layout.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.mover.geometry import UnsupportedKVCache
+from kvconnectors.mover.heads import head_map
+from kvconnectors.mover.shapes import synthetic_caches
+from kvconnectors.tiered import params as kvparams
+from kvconnectors.tiered.config import TieredConfig
+from kvconnectors.tiered.layout import detect_layout
+from kvconnectors.tiered.metadata import RecvSpec, SaveSpec, TieredConnectorMetadata
+from kvconnectors.tiered.tp import plan_for
+
+HEADS, LAYERS, BLOCKS, BS, C = 2, 3, 8, 16, 8  # tiny-model-like: 2 KV heads, head size 4 (fp32: C = 2 * 4)
+PRODUCER_IDS, CONSUMER_IDS = [5, 1, 6], [2, 7, 0]  # a 3-block prompt in different blocks on each side
+
+
+def reference() -> dict[str, torch.Tensor]:
+    return synthetic_caches("LBHNC", num_layers=LAYERS, num_blocks=BLOCKS, heads=HEADS, block_size=BS, content=C,
+                            dtype=torch.float32, seed=7)
+
+
+def rank_caches(full: dict[str, torch.Tensor] | None, tp: int, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s cache at TP `tp`: the reference's heads of that rank (vLLM's split), or noise."""
+    hr = head_map(HEADS, tp)[rank]
+    caches = synthetic_caches("LBHNC", num_layers=LAYERS, num_blocks=BLOCKS, heads=hr.count, block_size=BS,
+                              content=C, dtype=torch.float32, seed=seed)
+    if full is not None:
+        for name, t in caches.items():
+            t.copy_(full[name][:, hr.start:hr.stop])
+    return caches
+
+
+def make_worker(role: str, tp: int, rank: int, caches: dict[str, torch.Tensor], monkeypatch, **cfg):
+    import vllm.distributed.parallel_state as ps
+
+    from kvconnectors.tiered.worker import TieredConnectorWorker
+
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(is_kv_producer=role == "p", is_kv_consumer=role == "c"),
+        # vLLM resolves the layout (the connector asks for LBHNC); with one head per rank it cannot be detected
+        cache_config=SimpleNamespace(block_size=BS, get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="LBHNC")),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        model_config=SimpleNamespace(served_model_name="tiny", get_total_num_kv_heads=lambda: HEADS))
+    w = TieredConnectorWorker(vllm_config, TieredConfig(dram_bytes="4m", load_timeout_s=10, connect_timeout_s=2,
+                                                        **cfg), f"{role}{tp}-{rank}")
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: rank)
+    w.register_kv_caches(caches)
+    return w
+
+
+def stage(producers, tid: str, token: str) -> dict:
+    """Every producer rank stages the prompt; returns the ticket the scheduler would hand out."""
+    meta = TieredConnectorMetadata(saves=[SaveSpec("r", tid, PRODUCER_IDS, 0, len(PRODUCER_IDS), True, token=token)])
+    for w in producers:
+        for name in w._layer_index:
+            w.save_kv_layer(meta, name)
+        w.wait_for_save(meta)
+    metas = [w.get_handshake_metadata() for w in producers]
+    ticket = kvparams.TransferParams(
+        v=kvparams.PARAMS_VERSION, transfer_id=tid, addrs=[kvparams.PeerAddress(m.host, m.port) for m in metas],
+        num_tokens=len(PRODUCER_IDS) * BS, num_blocks=len(PRODUCER_IDS), block_size=BS,
+        fingerprint=metas[0].fingerprint, prompt_hash="h", lease_ttl_s=30, issued_at=0, token=token,
+        tp_size=len(producers), kv_heads=metas[0].kv_heads)
+    return msgspec.to_builtins(ticket)
+
+
+def load(consumers, ticket: dict) -> dict[int, TransferError | None]:
+    """Every consumer rank loads the ticket; its outcome per rank."""
+    for w in consumers:
+        w.start_load_kv(TieredConnectorMetadata(recvs=[RecvSpec("r", ticket, CONSUMER_IDS, 0)]))
+    out: dict[int, TransferError | None] = {}
+    deadline = time.monotonic() + 20
+    while len(out) < len(consumers) and time.monotonic() < deadline:
+        for i, w in enumerate(consumers):
+            done, failed = w.take_results()
+            if "r" in done and "r" not in failed and w.inflight_loads == 0 and i not in out:
+                out[i] = None
+            if "r" in failed:
+                out[i] = failed["r"]
+        time.sleep(0.01)
+    assert len(out) == len(consumers), out
+    return out
+
+
+def loaded_equals_reference(full, consumer, tp: int, rank: int) -> bool:
+    hr = head_map(HEADS, tp)[rank]
+    return all(torch.equal(consumer.geometry.views[i][CONSUMER_IDS].contiguous().view(torch.uint8),
+                           full[name][PRODUCER_IDS][:, hr.start:hr.stop].contiguous().view(torch.uint8))
+               for i, name in enumerate(full))
+
+
+@pytest.fixture
+def pools(monkeypatch):
+    """pools(P, D, producer_cfg=..., consumer_cfg=...) -> (reference, producer ranks, consumer ranks)."""
+    made = []
+
+    def build(p_tp: int, d_tp: int, producer_cfg: dict | None = None):
+        full = reference()
+        producers = [make_worker("p", p_tp, r, rank_caches(full, p_tp, r, 0), monkeypatch, **(producer_cfg or {}))
+                     for r in range(p_tp)]
+        consumers = [make_worker("c", d_tp, r, rank_caches(None, d_tp, r, 100 + r), monkeypatch) for r in range(d_tp)]
+        made.extend(producers + consumers)
+        return full, producers, consumers
+    yield build
+    for w in made:
+        w.shutdown()
+
+
+# ------------------------------------------------------------------------------- fingerprints, plans
+def layout(tp: int, rank: int, *, content: int = C, backend: str = "FLASH_ATTN", physical: str = "LBHNC"):
+    caches = synthetic_caches(physical, num_layers=LAYERS, num_blocks=BLOCKS, heads=head_map(HEADS, tp)[rank].count,
+                              block_size=BS, content=content, dtype=torch.float32, device="meta")
+    return detect_layout(caches, BS, physical, tp_size=tp, tp_rank=rank, model="tiny", backend=backend,
+                         total_kv_heads=HEADS)[0]
+
+
+def ticket_for(lay, tp: int, v: int = kvparams.PARAMS_VERSION) -> kvparams.TransferParams:
+    return kvparams.TransferParams(v=v, transfer_id="t", addrs=[kvparams.PeerAddress("127.0.0.1", 1 + r) for r in range(tp)],
+                                   num_tokens=16, num_blocks=1, block_size=BS,
+                                   fingerprint=lay.fingerprint if v >= 4 else lay.rows_fingerprint, prompt_hash="h",
+                                   lease_ttl_s=30, issued_at=0, **({"tp_size": tp, "kv_heads": lay.kv_heads}
+                                                                   if v >= 4 else {}))
+
+
+@pytest.mark.parametrize("physical", ["LBHNC", "LBNHC"])
+def test_the_fingerprint_describes_the_whole_model_not_one_rank(physical) -> None:
+    one, two = layout(1, 0, physical=physical), [layout(2, r, physical=physical) for r in range(2)]
+    assert one.fingerprint == two[0].fingerprint == two[1].fingerprint
+    assert one.kv_heads == two[0].kv_heads == HEADS
+    assert one.rows_fingerprint != two[0].rows_fingerprint == two[1].rows_fingerprint  # rows differ with TP
+    assert layout(1, 0, content=2 * C, physical=physical).fingerprint != one.fingerprint  # head size
+
+
+def test_equal_tp_loads_rank_to_rank_as_before_and_previous_tickets_still_do() -> None:
+    for tp in (1, 2):
+        lay = layout(tp, tp - 1)
+        assert plan_for(ticket_for(lay, tp), lay, UnsupportedKVCache("not needed")) is None
+        assert plan_for(ticket_for(lay, tp, v=3), lay, UnsupportedKVCache("not needed")) is None
+
+
+def test_a_previous_ticket_from_another_tp_size_is_refused_naming_both_sides() -> None:
+    with pytest.raises(TransferError) as exc:
+        plan_for(ticket_for(layout(2, 0), 2, v=3), layout(1, 0), UnsupportedKVCache("x"))
+    assert exc.value.cause is FailureCause.LAYOUT_MISMATCH
+    assert "producer KV layout" in exc.value.detail and "TP 2" in exc.value.detail and "TP 1, 2 KV heads" in exc.value.detail
+
+
+def test_another_model_is_refused_naming_both_tp_sizes_and_kv_head_counts() -> None:
+    consumer = layout(1, 0)
+    producer = layout(2, 0, content=2 * C)
+    with pytest.raises(TransferError) as exc:
+        plan_for(ticket_for(producer, 2), consumer, UnsupportedKVCache("x"))
+    d = exc.value.detail
+    assert exc.value.cause is FailureCause.LAYOUT_MISMATCH and "differs from this consumer's" in d
+    assert "producer KV layout" in d and "(TP 2, 2 KV heads)" in d and "TP 1, 2 KV heads" in d, d
+
+
+def test_an_unsliceable_layout_is_refused_naming_tp_heads_layout_and_dtype() -> None:
+    from kvconnectors.mover.reslice import row_layout
+
+    consumer = layout(1, 0)
+    try:
+        row_layout("LBNHC", heads=2, tokens=BS, content_bytes=32, dtype="bfloat16", backend="CPU_ATTN")
+    except UnsupportedKVCache as exc:
+        refusal = exc
+    with pytest.raises(TransferError) as exc:
+        plan_for(ticket_for(layout(2, 0), 2), consumer, refusal)
+    d = exc.value.detail
+    assert "TP 2, 2 KV heads" in d and "TP 1, 2 KV heads" in d and "LBNHC" in d and "bfloat16" in d, d
+
+
+# ------------------------------------------------------------------------------- worker, end to end
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
+def test_consumer_ranks_assemble_byte_exact_blocks_from_another_tp_size(pools, p_tp, d_tp) -> None:
+    full, producers, consumers = pools(p_tp, d_tp)
+    ticket = stage(producers, "t-ok", kvparams.new_token())
+    assert all(v is None for v in load(consumers, ticket).values())
+    for r, w in enumerate(consumers):
+        assert loaded_equals_reference(full, w, d_tp, r), f"consumer rank {r}"
+    row = consumers[0].geometry.block_bytes
+    read = sum(w.totals.data["bytes_by_path"].get("tcp", 0) for w in consumers)
+    needed = d_tp * LAYERS * len(CONSUMER_IDS) * row
+    # P > D reads exactly its heads; P < D reads whole producer rows: D / P times the bytes (measured)
+    assert read == needed * max(1, d_tp // p_tp), (read, needed)
+
+
+def test_a_corrupted_producer_rank_fails_the_load_naming_it_and_lands_nothing(pools) -> None:
+    full, producers, consumers = pools(2, 1, producer_cfg={"fault_injection": [{"action": "corrupt", "on": "read"}]})
+    producers[0].server.faults = producers[0].config.fault_plan.__class__.from_config(None)  # only rank 1 corrupts
+    before = [consumers[0].geometry.views[i][CONSUMER_IDS].clone() for i in range(LAYERS)]
+    ticket = stage(producers, "t-bad", kvparams.new_token())
+    err = load(consumers, ticket)[0]
+    assert err is not None and err.cause is FailureCause.CHECKSUM_MISMATCH and "producer rank 1 of 2" in err.detail, err
+    assert all(torch.equal(b, consumers[0].geometry.views[i][CONSUMER_IDS]) for i, b in enumerate(before))
+
+
+def test_a_killed_producer_rank_fails_the_load_typed_naming_it(pools) -> None:
+    full, producers, consumers = pools(2, 1)
+    ticket = stage(producers, "t-dead", kvparams.new_token())
+    producers[1].server.close()
+    producers[1].server = None
+    err = load(consumers, ticket)[0]
+    assert err is not None and err.cause is FailureCause.PEER_UNREACHABLE and "producer rank 1 of 2" in err.detail, err
+    assert not loaded_equals_reference(full, consumers[0], 1, 0)
+
+
+def test_the_scheduler_releases_every_producer_rank_after_a_resliced_load() -> None:
+    from kvconnectors.tiered.scheduler import TieredConnectorScheduler
+
+    class Keeper:
+        def __init__(self):
+            self.calls = []
+
+        def track(self, req_id, addrs, tid, **kw):
+            self.calls.append(("track", req_id, list(addrs)))
+
+        def untrack(self, req_id):
+            self.calls.append(("untrack", req_id))
+
+        def release(self, req_id, addrs, tid, token=""):
+            self.calls.append(("release", req_id, list(addrs)))
+
+        def close(self):
+            pass
+
+    ticket = msgspec.to_builtins(ticket_for(layout(2, 0), 2))
+    ticket["token"] = kvparams.new_token()
+    for d_tp, last in ((1, ("release", "r", [("127.0.0.1", 1), ("127.0.0.1", 2)])), (2, ("untrack", "r"))):
+        vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS),
+                                      parallel_config=SimpleNamespace(tensor_parallel_size=d_tp),
+                                      kv_transfer_config=SimpleNamespace(is_kv_consumer=False))
+        sched = TieredConnectorScheduler(vllm_config, TieredConfig(), "e")
+        sched._keeper = keeper = Keeper()
+        sched.on_new_request(SimpleNamespace(request_id="r", kv_transfer_params={"kvc": ticket, "do_remote_prefill": True}))
+        sched.update_connector_output(SimpleNamespace(finished_recving={"r"}))
+        assert keeper.calls[0] == ("track", "r", [("127.0.0.1", 1), ("127.0.0.1", 2)])
+        assert keeper.calls[-1] == last, (d_tp, keeper.calls)
