@@ -67,6 +67,8 @@ class InstancePlan:
     kv_addr: str | None = None        # host:port of its KV store (TieredConnector), for push mode
     gpus: tuple[str, ...] = ()        # its CUDA_VISIBLE_DEVICES on CUDA; empty on CPU
     host: str | None = None           # its own address (another host); None: the launcher's --host
+    tp: int = 1                       # its tensor parallel size (ranks), per pool
+    extra_args: tuple[str, ...] = ()  # vLLM flags of its own (its pool's --tensor-parallel-size)
 
     @property
     def device(self) -> str:
@@ -78,6 +80,14 @@ class InstancePlan:
 
     def url(self, host: str) -> str:
         return f"http://{self.host or host}:{self.port}"
+
+    def where(self) -> str:
+        """Its GPUs, its core, or (CPU, TP > 1) its ranks' cores, for logs."""
+        if self.gpus:
+            return f"GPUs {','.join(self.gpus)}"
+        if self.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" in self.env:
+            return f"cores {self.env['VLLM_CPU_OMP_THREADS_BIND'].replace('|', ',')} (TP {self.tp})"
+        return f"core {self.core}"
 
     def place_on(self, address: str, device: str = "eth0") -> None:
         """Run this instance on another host at `address` (e.g. an emulated one, testing/hosts.py):
@@ -280,24 +290,31 @@ def _cvd_note(environ: Mapping[str, str] | None) -> str:
     return f", CUDA_VISIBLE_DEVICES={cvd!r}" if cvd is not None else ""
 
 
-def assign_gpus(placement: Placement, names: Sequence[str]) -> list[tuple[str, ...]]:
-    """The GPU ids of each named instance, in order. Too few GPUs, one GPU twice in one instance, or
-    a shared GPU without shares of its memory that fit are ValueErrors naming the flag and value."""
-    k, pool = placement.per_instance, placement.gpus
-    need = k * len(names)
+def assign_gpus(placement: Placement, names: Sequence[str],
+                counts: Sequence[int] | None = None) -> list[tuple[str, ...]]:
+    """The GPU ids of each named instance, in order (`counts`: GPUs per instance, default
+    placement.per_instance each). Too few GPUs, one GPU twice in one instance, or a shared GPU
+    without shares of its memory that fit are ValueErrors naming the flag and value."""
+    pool = placement.gpus
+    counts = [placement.per_instance] * len(names) if counts is None else list(counts)
+    k = max(counts) if counts else placement.per_instance
+    need = sum(counts)
     if len(pool) < need:
         n_prefill = sum(1 for n in names if n.startswith("prefill"))
+        each = (f"x {k} GPU{'s' if k > 1 else ''} each ({placement.parallel.describe()})" if len(set(counts)) == 1
+                else "(" + ", ".join(f"{n} {c}" for n, c in zip(names, counts)) + " GPUs: tensor parallel per pool)")
         raise ValueError(
             f"{placement.source}: {len(names)} instances ({n_prefill} prefill + {len(names) - n_prefill} "
-            f"decode) x {k} GPU{'s' if k > 1 else ''} each ({placement.parallel.describe()}) need {need} GPUs, "
+            f"decode) {each} need {need} GPUs, "
             f"{len(pool)} {placement.counted} (to share a GPU, list it again, e.g. --gpus 0,0, with "
             "--vllm-args '--gpu-memory-utilization 0.45')")
-    out = [tuple(pool[i * k:(i + 1) * k]) for i in range(len(names))]
+    starts = [sum(counts[:i]) for i in range(len(names))]
+    out = [tuple(pool[a:a + c]) for a, c in zip(starts, counts)]
     users: dict[str, list[str]] = {}
     for name, ids in zip(names, out):
         if len(set(ids)) < len(ids):
             raise ValueError(f"{placement.source}: {name} would get GPUs {','.join(ids)}: one engine's "
-                             f"{k} ranks need {k} different GPUs")
+                             f"{len(ids)} ranks need {len(ids)} different GPUs")
         for gpu in ids:
             users.setdefault(gpu, []).append(name)
     for gpu, sharing in users.items():
@@ -329,15 +346,19 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
     placement = resolve_device(args) if placement is None else placement
     roles = [("prefill", "kv_producer")] * args.prefill + [("decode", "kv_consumer")] * args.decode
     names = [f"prefill-{i}" for i in range(args.prefill)] + [f"decode-{i}" for i in range(args.decode)]
-    gpus = assign_gpus(placement, names) if placement.device == "cuda" else [()] * len(names)
+    tps = [pool_tp(args, role, placement) for role, _ in roles]
+    par = placement.parallel
+    counts = [tp * par.pipeline_parallel * par.prefill_context_parallel for tp in tps]
+    gpus = assign_gpus(placement, names, counts) if placement.device == "cuda" else [()] * len(names)
     if placement.device == "cpu":
         cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
-    tp = placement.parallel.tensor_parallel
     extra = args.kv_transfer_config_extra or {}
     plans: list[InstancePlan] = []
+    next_core = 0
     for i, ((role, kv_role), name) in enumerate(zip(roles, names)):
         env: dict[str, str] = {}
         kv_addr = None
+        tp = tps[i]
         if args.connector == "TieredConnector":
             store_port = port_fn() if tp == 1 else port_block_fn(tp)
             # push: decode instances run a landing store at store_port; the proxy passes its
@@ -356,15 +377,29 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = args.host
         if gpus[i]:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i])
-        core = None if gpus[i] or args.no_pin or not cores else cores[i % len(cores)]
-        plans.append(InstancePlan(name, role, port_fn(), core, cfg, env, kv_addr, gpus[i]))
+        core = None
+        if not gpus[i] and cores:
+            mine = [cores[(next_core + r) % len(cores)] for r in range(tp)]
+            next_core += tp
+            if tp == 1:
+                core = None if args.no_pin else mine[0]
+            else:  # one core per rank, as vLLM's CPU backend binds them; the tree is not pinned
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, mine))
+        own = ("--tensor-parallel-size", str(tp)) if tp != par.tensor_parallel else ()
+        plans.append(InstancePlan(name, role, port_fn(), core, cfg, env, kv_addr, gpus[i], tp=tp, extra_args=own))
     return plans
+
+
+def pool_tp(args: argparse.Namespace, role: str, placement: Placement) -> int:
+    """The tensor parallel size of one pool: --prefill-tp / --decode-tp, else --vllm-args' (else 1)."""
+    own = getattr(args, f"{role}_tp", None)
+    return int(own) if own is not None else placement.parallel.tensor_parallel
 
 
 def server_args(plan: InstancePlan, args: argparse.Namespace) -> list[str]:
     """Extra argv for one server, after VllmServer's device defaults (later flags win in vLLM)."""
     return ["--kv-transfer-config", json.dumps(plan.kv_transfer_config, separators=(",", ":")),
-            *shlex.split(args.vllm_args or "")]
+            *shlex.split(args.vllm_args or ""), *plan.extra_args]
 
 
 def build_server(plan: InstancePlan, args: argparse.Namespace, log_dir: Path) -> VllmServer:
@@ -467,7 +502,7 @@ def describe(plans: Sequence[InstancePlan], args: argparse.Namespace, log_dir: P
         srv = build_server(p, args, log_dir)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**({"VLLM_CPU_OMP_THREADS_BIND": str(p.core)}
                                                               if p.core is not None else {}), **p.env}.items())
-        where = f"GPUs {','.join(p.gpus)}" if p.gpus else f"core {p.core}"
+        where = p.where()
         lines.append(f"# {p.name} ({p.kv_role}, {where}, {p.url(args.host)}"
                      + (f", kv store {p.kv_addr}" if p.kv_addr else "") + ")")
         lines.append((env + " " if env else "") + shlex.join(srv.command()))
@@ -486,6 +521,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model name clients send (default: the model directory's name)")
     parser.add_argument("--prefill", type=positive_int, default=1, metavar="N", help="number of prefill instances")
     parser.add_argument("--decode", type=positive_int, default=1, metavar="M", help="number of decode instances")
+    parser.add_argument("--prefill-tp", type=positive_int, default=None, metavar="K",
+                        help="tensor parallel size of each prefill instance (default: --vllm-args' "
+                             "--tensor-parallel-size, else 1). May differ from --decode-tp: TieredConnector "
+                             "pulls the KV heads each decode rank owns from the prefill ranks that hold them. "
+                             "On CPU an instance of K ranks takes K cores (VLLM_CPU_OMP_THREADS_BIND, one per "
+                             "rank), on CUDA K GPUs")
+    parser.add_argument("--decode-tp", type=positive_int, default=None, metavar="K",
+                        help="tensor parallel size of each decode instance (default: as --prefill-tp's)")
     parser.add_argument("--connector", choices=CONNECTORS, default="TieredConnector",
                         help="KV connector every instance loads")
     parser.add_argument("--transport", choices=TRANSPORTS, default=None,
@@ -576,7 +619,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("logs in %s", log_dir)
         for s, p in zip(servers, plans):  # launch all, then wait: the starts overlap
             log.info("starting %s on %s (%s)", s.name, s.url,
-                     f"GPUs {','.join(p.gpus)}" if p.gpus else f"core {s.core}")
+                     p.where())
             s.start(wait=False)
         deadline = time.monotonic() + args.health_timeout
         for s in servers:

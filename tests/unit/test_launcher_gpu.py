@@ -304,3 +304,43 @@ def test_vllm_server_refuses_a_core_on_cuda():
     with pytest.raises(ValueError, match="device 'rocm'"):
         serving.VllmServer("/models/tiny", port=1, device="rocm")
 
+
+
+def test_per_pool_tensor_parallel_on_cuda(cuda_host):
+    """--prefill-tp / --decode-tp size each pool on its own: GPUs handed out per instance, a store
+    port block per rank count, and each server's own --tensor-parallel-size after --vllm-args."""
+    asked: list[int] = []
+
+    def block(n: int) -> int:
+        asked.append(n)
+        return 31000 + 10 * len(asked)
+
+    args = parse("--gpus", "0,1,2,3,4,5", "--prefill-tp", "4", "--decode-tp", "2")
+    plans = L.plan_instances(args, port_fn=counter(), port_block_fn=block)
+    assert [(p.name, p.tp, p.gpus) for p in plans] == [("prefill-0", 4, ("0", "1", "2", "3")),
+                                                       ("decode-0", 2, ("4", "5"))]
+    assert asked == [4, 2]
+    for p in plans:
+        argv = L.server_args(p, args)
+        assert argv[-2:] == ["--tensor-parallel-size", str(p.tp)], argv
+    assert plans[0].where() == "GPUs 0,1,2,3"
+    with pytest.raises(ValueError, match=r"prefill-0 4, decode-0 2 GPUs: tensor parallel per pool\) need 6 GPUs, 4"):
+        L.plan_instances(parse("--gpus", "0,1,2,3", "--prefill-tp", "4", "--decode-tp", "2"),
+                         port_fn=counter(), port_block_fn=block)
+
+
+def test_per_pool_tensor_parallel_on_cpu_binds_one_core_per_rank():
+    """On CPU a TP-2 instance binds its ranks to two cores (VLLM_CPU_OMP_THREADS_BIND "0|1") and is not
+    pinned as a tree; a TP-1 instance keeps its one pinned core; no flag when the pools agree."""
+    args = parse("--device", "cpu", "--prefill-tp", "2", "--decode-tp", "1")
+    plans = L.plan_instances(args, cores=[0, 1], port_fn=counter(), port_block_fn=block_counter())
+    pre, dec = plans
+    assert (pre.tp, pre.core, pre.env["VLLM_CPU_OMP_THREADS_BIND"]) == (2, None, "0|1")
+    assert (dec.tp, dec.core) == (1, 0) and "VLLM_CPU_OMP_THREADS_BIND" not in dec.env
+    assert L.server_args(pre, args)[-2:] == ["--tensor-parallel-size", "2"]
+    assert "--tensor-parallel-size" not in L.server_args(dec, args)
+    assert pre.where() == "cores 0,1 (TP 2)" and dec.where() == "core 0"
+    server = L.build_server(pre, args, Path("/tmp"))
+    assert server.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    same = L.plan_instances(parse("--device", "cpu"), cores=[0, 1], port_fn=counter(), port_block_fn=block_counter())
+    assert [(p.tp, p.core, p.extra_args) for p in same] == [(1, 0, ()), (1, 1, ())]
