@@ -81,7 +81,9 @@ def cluster_stores(pd: Any) -> list[Store]:
         if not p.kv_addr or (p.role == "decode" and not is_push(p)):
             continue
         host, port = p.kv_addr.rsplit(":", 1)
-        stores.append(Store(p.name, p.role, host, int(port), extra_config(p).get("wire_protection", wire.HANDSHAKE)))
+        for rank in range(getattr(p, "tp", 1)):  # rank r of a TP instance listens on store_port + r
+            stores.append(Store(p.name if rank == 0 else f"{p.name}/rank{rank}", p.role, host, int(port) + rank,
+                                extra_config(p).get("wire_protection", wire.HANDSHAKE)))
     return stores
 
 
@@ -155,7 +157,7 @@ def idle_connections(store: Store, holder: str) -> int:
     """How many connections one process of instance `holder` may keep to `store` at rest."""
     if store.role != "decode":
         return 0          # staging store: pulls, renewals and releases close theirs
-    if holder == store.owner or holder.startswith("prefill"):
+    if holder == store.owner.split("/")[0] or holder.startswith("prefill"):
         return 1          # the owner's locator; a prefill worker's pooled push connection
     return 0
 
