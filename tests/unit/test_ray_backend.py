@@ -139,6 +139,12 @@ def test_without_ray_nothing_fails():
     assert r.returncode == 0, r.stderr
 
 
+def test_ray_without_its_llm_part_is_absent_too():
+    r = run_python("import sys; sys.modules['ray.llm'] = None\n"  # ray without ray[serve]'s LLM dependencies
+                   "import kvconnectors.ray as k\nassert k.ray_installed() and k.register_backend() is False\n")
+    assert r.returncode == 0, r.stderr
+
+
 def test_plugin_never_imports_ray():
     r = run_python("import sys\nfrom kvconnectors import registry\nregistry.register_with_ray()\n"
                    "assert 'ray' not in sys.modules, 'the plugin imported Ray'\n")
