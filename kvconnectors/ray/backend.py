@@ -1,0 +1,99 @@
+"""TieredConnectorBackend: Ray Serve LLM's connector backend for TieredConnector.
+
+Ray runs `setup()` in every prefill and decode replica before it builds the engine, and the decode
+replica (Ray's P/D orchestrator) calls `prepare_prefill_request` / `prepare_decode_request` per
+request. The shaping is our proxy's (integration/proxy/app.py): the prefill leg gets max_tokens 1,
+no stream and `do_remote_decode`; the client's own kv_transfer_params never reach an engine; the
+decode leg gets the ticket the prefill returned, and no ticket is an error, not a silent recompute.
+Push mode (decode's transfer_mode "push"): the prefill leg also carries this decode replica's
+landing store as push_target.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorBackend, clamp_request_to_single_token
+
+from kvconnectors import serving
+from kvconnectors.errors import ConfigError
+from kvconnectors.logs import get_logger
+from kvconnectors.ray import stores
+
+if TYPE_CHECKING:
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+
+logger = get_logger(__name__)
+
+# What the prefill leg carries (the same keys as integration/proxy's PREFILL_KV_PARAMS; a test keeps them equal).
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class TieredConnectorBackend(BaseConnectorBackend):
+    # Sequential handoff without peer binding, in push mode too: the decode learns the transfer
+    # id and token from the prefill's response, and the push target is the decode itself.
+    requires_peer_binding = False
+    concurrent_handoff = False
+
+    def __init__(self, llm_config: "LLMConfig") -> None:
+        super().__init__(llm_config)
+        self.push_target: str | None = None
+        self.secret_source: str | None = None
+        self._warned_client_params = False
+
+    def setup(self) -> None:
+        ktc = self.kv_transfer_config
+        extra = ktc.get("kv_connector_extra_config")
+        if extra is None:
+            extra = ktc["kv_connector_extra_config"] = {}  # in place: the engine reads this same dict
+        elif not isinstance(extra, dict):
+            raise ConfigError("kv_connector_extra_config", extra, "must be a mapping")
+        tp = int(self.llm_config.engine_kwargs.get("tensor_parallel_size", 1) or 1)
+        plan = stores.plan(extra, kv_role=ktc.get("kv_role"), node_ip=ray.util.get_node_ip_address(), tp_size=tp,
+                           port_offset=self._compute_port_offset,
+                           free_ports=lambda n, host: serving.free_port_block(n, host))
+        extra.update(plan.updates)
+        self.push_target = plan.push_target
+        self.secret_source = stores.secret_source(extra)
+        from kvconnectors.tiered.config import TieredConfig  # noqa: PLC0415
+
+        TieredConfig.from_extra(extra)  # a bad key fails this replica now, with its name
+        logger.info("TieredConnector on Ray: %s store %s:%s%s, secret from %s", ktc.get("kv_role"),
+                    extra.get("advertise_host") or extra.get("bind_host"), extra.get("store_port", 0) or "(kernel's)",
+                    f", push target {self.push_target}" if self.push_target else "", self.secret_source or "nowhere")
+
+    def prepare_prefill_request(self, *, request: Any, peer: dict[str, Any] | None) -> Any:
+        if request.kv_transfer_params and not self._warned_client_params:
+            self._warned_client_params = True  # as our proxy: a client does not steer the transfer plane
+            logger.warning("kv_transfer_params from the client dropped (keys %s): the P/D orchestrator sets them",
+                           sorted(request.kv_transfer_params))
+        shaped = request.model_copy(deep=True)
+        kv = dict(PREFILL_KV_PARAMS)
+        if self.push_target:
+            kv.update(transfer_mode="push", push_target=self.push_target)
+        shaped.kv_transfer_params = kv
+        clamp_request_to_single_token(shaped)
+        if getattr(shaped, "min_tokens", 0):
+            shaped.min_tokens = 0  # vLLM refuses min_tokens > max_tokens (1)
+        return shaped
+
+    def prepare_decode_request(self, *, request: Any, peer: dict[str, Any] | None, prefill_response: Any) -> Any:
+        if prefill_response is None:
+            raise ValueError("prefill_response=None: TieredConnector hands off sequentially; the decode needs the "
+                             "prefill's ticket (concurrent_handoff must stay False)")
+        ticket = getattr(prefill_response, "kv_transfer_params", None)
+        if not isinstance(ticket, dict) or not ticket:
+            raise ValueError(f"prefill response kv_transfer_params={ticket!r}: the prefill engine returned no "
+                             "ticket (is it running TieredConnector with kv_role kv_producer?); refusing to "
+                             "decode without the KV transfer")
+        shaped = request.model_copy(deep=True)
+        shaped.kv_transfer_params = dict(ticket)
+        return shaped
