@@ -18,6 +18,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorB
 
 from kvconnectors import serving
 from kvconnectors.errors import ConfigError
+from kvconnectors.integration.proxy import PREFILL_KV_PARAMS  # the prefill leg: as our proxy sends it
 from kvconnectors.logs import get_logger
 from kvconnectors.ray import stores
 
@@ -25,16 +26,6 @@ if TYPE_CHECKING:
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
 logger = get_logger(__name__)
-
-# What the prefill leg carries (the same keys as integration/proxy's PREFILL_KV_PARAMS; a test keeps them equal).
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 class TieredConnectorBackend(BaseConnectorBackend):

@@ -160,7 +160,7 @@ def test_pull_prefill_request_is_our_proxys(caplog):
     request = completion(stream=True, stream_options={"include_usage": True}, min_tokens=4,
                          kv_transfer_params={"push_target": "203.0.113.9:1"})
     shaped = PDOrchestratorMixin._prepare_prefill_request(orchestrator(cfg), request)
-    assert shaped.kv_transfer_params == PREFILL_KV_PARAMS == kbackend.PREFILL_KV_PARAMS
+    assert shaped.kv_transfer_params == PREFILL_KV_PARAMS
     assert (shaped.max_tokens, shaped.stream, shaped.stream_options, shaped.min_tokens) == (1, False, None, 0)
     assert (request.max_tokens, request.stream, request.min_tokens) == (16, True, 4)  # the client's stays
     assert "kv_transfer_params from the client dropped" in caplog.text
@@ -189,13 +189,15 @@ def test_decode_request_carries_the_ticket_and_refuses_none():
 
 
 def test_push_prefill_request_names_this_decodes_landing_store(monkeypatch):
+    from kvconnectors.integration.proxy import PREFILL_KV_PARAMS
+
     asked: list[tuple[int, str]] = []
     monkeypatch.setattr(serving, "free_port_block", lambda n, host: asked.append((n, host)) or 7345)
     cfg, backend = set_up("decode", transfer_mode="push")
     assert asked == [(1, NODE_IP)]  # bound where it is advertised
     assert extra_of(cfg)["store_port"] == 7345 and backend.push_target == f"{NODE_IP}:7345"
     shaped = PDOrchestratorMixin._prepare_prefill_request(orchestrator(cfg), completion())
-    assert shaped.kv_transfer_params == {**kbackend.PREFILL_KV_PARAMS, "transfer_mode": "push",
+    assert shaped.kv_transfer_params == {**PREFILL_KV_PARAMS, "transfer_mode": "push",
                                          "push_target": f"{NODE_IP}:7345"}
     assert backend.requires_peer_binding is False and backend.concurrent_handoff is False
 
