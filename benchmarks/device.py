@@ -207,15 +207,11 @@ class LayoutRun:
     def gather_words(self) -> float:
         """CPU: the plain gather of the same bytes viewed as the widest integer word (what CpuOps.gather
         does), the strongest plain gather we know: the mover's own overhead shows against it."""
-        from kvconnectors.mover.device import same_words
-
         assert not self.cuda, "gather_words is a CPU baseline"
-        torch = self.torch
 
-        def run() -> None:
+        def run() -> None:  # CpuOps.gather itself, on this thread: no copy thread, no store, no checksums
             for layer in self.layers:
-                src, out = same_words(self.g.views[layer], self.host[layer])
-                torch.index_select(src, 0, self.ids, out=out)
+                self.ops.gather(self.g.views[layer], self.ids, self.host[layer])
         return self.clock.time(run)
 
     def load(self) -> float:

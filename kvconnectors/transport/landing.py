@@ -330,7 +330,7 @@ class Landing:
         conn.buffer = loan if isinstance(loan, np.ndarray) else None
         try:
             if in_place:
-                self._land_in_place(sock, msg, conn, rec)
+                self._land_in_place(sock, msg, conn)
             else:
                 with path.receive(self, sock, msg, conn) as buf:
                     try:
@@ -572,7 +572,7 @@ class Landing:
     def _chunk_rows(self) -> int:
         return max(1, IN_PLACE_CHUNK_BYTES // self.store.slot_bytes)
 
-    def _land_in_place(self, sock: socket.socket, msg: wire.Push, conn: ConnectionState, rec: _InFlight) -> None:
+    def _land_in_place(self, sock: socket.socket, msg: wire.Push, conn: ConnectionState) -> None:
         """tcp: receive the group straight into its store slots, a chunk at a time: reserve a chunk's
         slots, read its bytes into them (NVMe rows through the lent buffer), verify, commit. The decode
         then copies slot -> blocks: two host copies in all, and the reservation runs at most one chunk
@@ -589,11 +589,7 @@ class Landing:
                 raise HungUp(None) from None
             raise TransferError(FailureCause.PROTOCOL,
                                 f"internal error landing this push: {type(exc).__name__}") from None
-        with self._cond:
-            paths = self._path_bytes.setdefault(tid, {})
-            paths[TCP_PUSH.label] = paths.get(TCP_PUSH.label, 0) + msg.nbytes
-            while len(self._path_bytes) > MAX_FAILURES:
-                self._path_bytes.popitem(last=False)
+        self._count_landed(tid, TCP_PUSH.label, msg.nbytes)
 
     def _receive_chunks(self, sock: socket.socket, msg: wire.Push, conn: ConnectionState, unread: list[int]) -> None:
         slot, tid, n_blocks = self.store.slot_bytes, msg.transfer_id, msg.num_blocks
@@ -621,13 +617,9 @@ class Landing:
                     if silent:  # test hook: corrupt where the bytes landed, unnoticed by checksums
                         tamper.corrupt([memoryview(r) for r in rows])
                     if msg.checksums is not None and not silent:
-                        base = li * n_blocks + j
-                        for k, row in enumerate(rows):
-                            got, want = xxhash.xxh3_64_intdigest(row), msg.checksums[base + k]
-                            if got != want:
-                                raise refuse(TransferError(FailureCause.CHECKSUM_MISMATCH, (
-                                    f"pushed transfer {tid!r}: layer {layer} block {first + k} has checksum "
-                                    f"{got:016x}, producer staged {want:016x}")))
+                        bad = _bad_checksum(msg, rows, li * n_blocks + j)
+                        if bad is not None:
+                            raise refuse(bad)
                     ok = True
                 finally:
                     nvme = conn.bounce(target.nvme_pos.size * slot).reshape(-1, slot) if ok else None
@@ -665,13 +657,9 @@ class Landing:
         if silent:  # test hook: corrupt where the push delivered the bytes, unnoticed by checksums
             tamper.corrupt(buf)
         if msg.checksums is not None and not silent:
-            for i, want in enumerate(msg.checksums):
-                got = xxhash.xxh3_64_intdigest(buf[i])
-                if got != want:
-                    layer, block = msg.layers[i // msg.num_blocks], msg.first_block + i % msg.num_blocks
-                    raise TransferError(FailureCause.CHECKSUM_MISMATCH, (
-                        f"pushed transfer {msg.transfer_id!r}: layer {layer} block {block} has checksum "
-                        f"{got:016x}, producer staged {want:016x}"))
+            bad = _bad_checksum(msg, buf, 0)
+            if bad is not None:
+                raise bad
         try:
             self.store.reserve(msg.transfer_id, msg.layers, msg.first_block, buf.shape[0])
             self.store.write(msg.transfer_id, msg.layers, msg.first_block, buf)  # the group in one call
@@ -681,9 +669,12 @@ class Landing:
             raise TransferError(FailureCause.STORE_FULL, f"landing store write failed: {exc}") from None
         except (ValueError, IndexError) as exc:  # e.g. sealed meanwhile, or a bound the checks missed
             raise TransferError(FailureCause.PROTOCOL, f"pushed transfer {msg.transfer_id!r}: {exc}") from None
+        self._count_landed(msg.transfer_id, label, buf.nbytes)
+
+    def _count_landed(self, tid: str, label: str, nbytes: int) -> None:
         with self._cond:
-            paths = self._path_bytes.setdefault(msg.transfer_id, {})
-            paths[label] = paths.get(label, 0) + buf.nbytes
+            paths = self._path_bytes.setdefault(tid, {})
+            paths[label] = paths.get(label, 0) + nbytes
             while len(self._path_bytes) > MAX_FAILURES:
                 self._path_bytes.popitem(last=False)
 
@@ -754,6 +745,20 @@ class Landing:
         for path in self.paths.values():
             path.close()
         self.receive_buffers.drop_free()
+
+
+def _bad_checksum(msg: wire.Push, rows: Sequence[np.ndarray] | np.ndarray, base: int) -> TransferError | None:
+    """The mismatch of the first of `rows` (the push's rows base, base+1, ...) whose xxh3 is not the
+    producer's, or None."""
+    for k, row in enumerate(rows):
+        i = base + k
+        got, want = xxhash.xxh3_64_intdigest(row), msg.checksums[i]
+        if got != want:
+            layer, block = msg.layers[i // msg.num_blocks], msg.first_block + i % msg.num_blocks
+            return TransferError(FailureCause.CHECKSUM_MISMATCH, (
+                f"pushed transfer {msg.transfer_id!r}: layer {layer} block {block} has checksum "
+                f"{got:016x}, producer staged {want:016x}"))
+    return None
 
 
 def _authenticated(conn: ConnectionState) -> bool:
