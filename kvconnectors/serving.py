@@ -368,7 +368,10 @@ class VllmServer:
         shim = self.launch_argv()
         # vLLM names its ZMQ IPC sockets <VLLM_RPC_BASE_PATH>/<uuid>; a killed EngineCore leaves them
         # behind (thousands in /tmp after a few test runs), so each server gets a folder stop() removes.
-        self._rpc_dir = tempfile.mkdtemp(prefix="kvc-rpc-", dir=os.environ.get("VLLM_RPC_BASE_PATH"))  # short: 107-byte socket paths
+        base = os.environ.get("VLLM_RPC_BASE_PATH")
+        if base:
+            os.makedirs(base, exist_ok=True)  # a base named but not made (or removed meanwhile)
+        self._rpc_dir = tempfile.mkdtemp(prefix="kvc-rpc-", dir=base or None)  # short: 107-byte socket paths
         # Own session = own process group: killpg reaches EngineCore/Worker even after the API
         # server is gone, and a Ctrl-C in our terminal does not hit the servers behind our back.
         with log_file:  # the child keeps its own descriptor

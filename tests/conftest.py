@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -44,13 +45,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # vLLM's ZMQ IPC sockets (<VLLM_RPC_BASE_PATH>/<uuid>) outlive killed engines: the whole session's go
-# into one folder (servers make their own inside it), removed at the end.
+# into one folder (servers make their own inside it), removed when this process exits (not in
+# pytest_unconfigure: a test that runs pytest inside this process would unconfigure it early).
 _RPC_DIR = tempfile.mkdtemp(prefix="kvc-tests-rpc-")
 os.environ["VLLM_RPC_BASE_PATH"] = _RPC_DIR
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(_RPC_DIR, ignore_errors=True)
+atexit.register(shutil.rmtree, _RPC_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
