@@ -148,8 +148,10 @@ def _kill(server: VllmServer) -> None:
     os.killpg(os.getpgid(server.pid), signal.SIGKILL)
 
 
-def test_decode_killed_gives_clear_errors_not_hangs(tiny_model, tmp_path) -> None:
-    with PDCluster(tiny_model, proxy_args=PROXY_FAST, log_dir=tmp_path) as cluster:
+def test_decode_killed_gives_clear_errors_not_hangs(pd) -> None:
+    """The last test on `pd`: it kills its decode, then stops the pair (the next test starts its own)."""
+    cluster = pd
+    try:
         name = cluster.prefill[0].served_model_name
 
         async def run() -> list[str]:
@@ -178,6 +180,8 @@ def test_decode_killed_gives_clear_errors_not_hangs(tiny_model, tmp_path) -> Non
             complete(cluster.proxy_url, [1, 2, 3], model=name, max_tokens=4, timeout=30)
         assert time.monotonic() - t0 < 15
         assert "error" in str(err.value).lower() or "50" in str(err.value)
+    finally:
+        pd.stop()
 
 
 def test_prefill_killed_traffic_moves_to_the_other(tiny_model, prompts, colocated, tmp_path) -> None:

@@ -80,27 +80,40 @@ def total(metrics: dict, name: str, **labels: str) -> float:
     return sum(v for lab, v in metrics.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
 
 
-@pytest.mark.parametrize("transport, vllm_args", [
-    ("tcp", ""), ("nixl", ""),
+@pytest.mark.parametrize("transport, vllm_args, spill", [
+    ("tcp", "", True), ("nixl", "", False),
     # long prompts prefilled over several steps: groups of each step's whole blocks go out as staged
-    ("tcp", "--max-num-batched-tokens 512 --max-num-seqs 8"),
-], ids=["tcp", "nixl", "tcp-chunked"])
-def test_push_servers_equal_colocated(deep_model, prompts, control_prompts, colocated, transport, vllm_args,
+    ("tcp", "--max-num-batched-tokens 512 --max-num-seqs 8", False),
+], ids=["tcp-spilling", "nixl", "tcp-chunked"])
+def test_push_servers_equal_colocated(deep_model, prompts, control_prompts, colocated, transport, vllm_args, spill,
                                      tmp_path) -> None:
     """Identity in push mode with every loaded byte landed over the push path of `transport`;
     then two negative controls on the same servers: pushes corrupted where they land (the
     landing side's receive, checksum skipped) and landed copies corrupted on their way into the
-    KV blocks. Seen to fail: with tamper.corrupt made a no-op both report 'decoded identically'."""
-    kv = {"kv_connector_extra_config": {**PUSH, "test_hooks": True}}
+    KV blocks. Seen to fail: with tamper.corrupt made a no-op both report 'decoded identically'.
+    `spill`: DRAM budgets far below the workload on both sides: the prefill stages long prompts
+    onto NVMe (pushed from there), the decode lands them partly on NVMe, and attributes the
+    NVMe-held part of the prompts to `disk` (the other cases land in DRAM only)."""
+    extra: dict = {**PUSH, "test_hooks": True}
+    if spill:
+        extra.update(dram_bytes="2MiB", nvme_dirs=[str(tmp_path / "nvme")], nvme_bytes="512MiB",
+                     nvme_create_dirs=True)
     n = len(prompts)
-    with PDCluster(deep_model, transport=transport, mode="push", kv_extra=kv, vllm_args=vllm_args,
-                   proxy_args=["--forward-kv-params", "kvc_fault"], log_dir=tmp_path) as pd:
+    with PDCluster(deep_model, transport=transport, mode="push", kv_extra={"kv_connector_extra_config": extra},
+                   vllm_args=vllm_args, proxy_args=["--forward-kv-params", "kvc_fault"],
+                   log_dir=tmp_path / "logs") as pd:
         assert_same_tokens(colocated[:n], run_workload(pd, prompts))
         statuses = stores_empty(pd)
-        assert all(s.entries == 0 and s.dram_used_bytes == 0 for s in statuses), statuses
+        assert all(s.entries == 0 and s.dram_used_bytes == 0 and s.nvme_used_bytes == 0 for s in statuses), statuses
         for fault in ("corrupt", "corrupt_landed"):
             assert_corrupted_pushes_change_output(pd, control_prompts, colocated[n:], fault,
-                                                  f"{fault} pushes over {transport}")
+                                                  f"{fault} pushes over {transport}" + (" (NVMe tiers)" if spill else ""))
+        statuses = stores_empty(pd)
+        assert all(s.entries == 0 and s.nvme_used_bytes == 0 for s in statuses), statuses
+        # The stores' accounting (above) shows the NVMe space given back. On disk there is no name
+        # to look for, even after vLLM SIGKILLs its workers: an extent file's name is removed as
+        # soon as it is open, which is what this checks.
+        assert not list((tmp_path / "nvme").glob("kvc-*.kv")), "extent files keep a name while in use"
         run_workload(pd, prompts[:1])  # one more step reports the last interval's stats
         p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
     assert total(p, "kvconnectors:pushes_total") >= len(prompts), "transfers were not pushed"
@@ -112,6 +125,12 @@ def test_push_servers_equal_colocated(deep_model, prompts, control_prompts, colo
     assert set(moved) == {path}, f"KV bytes by data path {moved}: expected every byte landed over {path}"
     # the decode read the prompts' KV from its own host-memory landing store
     assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="host") > 0
+    from_disk = (total(d, "vllm:prompt_tokens_cached_by_source_total", source="disk"),
+                 total(p, "kvconnectors:store_hits_nvme_total"))
+    if spill:
+        assert all(v > 0 for v in from_disk), f"(decode tokens from disk, prefill NVMe hits) = {from_disk}"
+    else:
+        assert from_disk == (0, 0), f"(decode tokens from disk, prefill NVMe hits) = {from_disk} with DRAM tiers"
 
 
 def test_decode_hanging_up_mid_push_fails_loudly_and_recompute_heals(deep_model, prompts, colocated,
@@ -129,32 +148,6 @@ def test_decode_hanging_up_mid_push_fails_loudly_and_recompute_heals(deep_model,
         p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
     assert total(p, "kvconnectors:transfer_failures_total", cause="push_peer_unreachable") >= 1
     assert total(d, "kvconnectors:transfer_failures_total", cause="peer_unreachable") >= 1
-
-
-def test_small_dram_spills_both_sides_and_reports_disk_hits(deep_model, prompts, control_prompts, colocated,
-                                                            tmp_path) -> None:
-    """DRAM budgets far below the workload on both sides: the prefill stages long prompts onto
-    NVMe (pushed from there), the decode lands them partly on NVMe; the outputs still equal
-    colocated, and the decode attributes the NVMe-held part of the prompts to `disk`."""
-    kv = {"kv_connector_extra_config": {**PUSH, "dram_bytes": "2MiB", "nvme_dirs": [str(tmp_path / "nvme")],
-                                        "nvme_bytes": "512MiB", "nvme_create_dirs": True, "test_hooks": True}}
-    with PDCluster(deep_model, transport="tcp", mode="push", kv_extra=kv, log_dir=tmp_path / "logs",
-                   proxy_args=["--forward-kv-params", "kvc_fault"]) as pd:
-        assert_same_tokens(colocated[:len(prompts)], run_workload(pd, prompts))
-        assert_corrupted_pushes_change_output(pd, control_prompts, colocated[len(prompts):], "corrupt_landed",
-                                              "landed copies read from a small DRAM tier and NVMe")
-        statuses = stores_empty(pd)
-        assert all(s.entries == 0 and s.nvme_used_bytes == 0 for s in statuses), statuses
-        # The stores' accounting (above) shows the NVMe space given back. On disk there is no name
-        # to look for, even after vLLM SIGKILLs its workers: an extent file's name is removed as
-        # soon as it is open, which is what this checks.
-        assert not list((tmp_path / "nvme").glob("kvc-*.kv")), "extent files keep a name while in use"
-        run_workload(pd, prompts[:1])
-        p, d = pd.prefill[0].metrics(), pd.decode[0].metrics()
-    assert total(d, "kvconnectors:push_fallbacks_total") == 0
-    assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="disk") > 0
-    assert total(d, "vllm:prompt_tokens_cached_by_source_total", source="host") > 0
-    assert total(p, "kvconnectors:store_hits_nvme_total") > 0, "the prefill pushed nothing from its NVMe tier"
 
 
 def test_refused_pushes_fall_back_to_pull_also_when_queued_past_the_lease_ttl(deep_model, prompts, colocated,

@@ -1,6 +1,6 @@
 """The idle-CPU checks can fail: one busy-polling thread or process beside idle servers is caught.
 
-These switch off what `test_idle_server_uses_no_cpu` and tests/e2e/test_idle_cpu.py guard (one
+These switch off what `test_idle_server_uses_no_cpu` and tests/e2e/test_tiered_servers.py's idle P/D pairs guard (one
 thread or one descendant process spins) and assert that the same assertion those tests use fails
 and names the spinner. Before kvconnectors.testing.cpu, the unit check dropped the busiest thread
 as "the test's own", so the spinning-thread case below passed.
