@@ -6,7 +6,9 @@ request. The shaping is our proxy's (integration/proxy/app.py): the prefill leg 
 no stream and `do_remote_decode`; the client's own kv_transfer_params never reach an engine; the
 decode leg gets the ticket the prefill returned, and no ticket is an error, not a silent recompute.
 Push mode (decode's transfer_mode "push"): the prefill leg also carries this decode replica's
-landing store as push_target.
+landing store as push_target. Like the proxy's --forward-kv-params, the decode config's
+`experimental_configs: {kvconnectors_forward_kv_params: [KEY, ...]}` lets those keys of the client's
+kv_transfer_params through to the prefill leg (none by default; our keys always win).
 """
 
 from __future__ import annotations
@@ -27,6 +29,33 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
+FORWARD_KV_PARAMS = "kvconnectors_forward_kv_params"  # key of LLMConfig.experimental_configs
+
+
+def forwarded_keys(experimental: Any) -> tuple[str, ...]:
+    """The client kv_transfer_params keys an operator lets through (experimental_configs)."""
+    keys = (experimental or {}).get(FORWARD_KV_PARAMS, ())
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k for k in keys):
+        raise ConfigError(f"experimental_configs.{FORWARD_KV_PARAMS}", keys, "must be a list of key names")
+    return tuple(keys)
+
+
+def _node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def node_address() -> str:
+    """This replica's node address as the cluster knows it (`ray start --node-ip-address`): the one
+    other nodes reach. `ray.util.get_node_ip_address()` in a worker is instead the source address of
+    the route to the internet: another interface on a multi-homed host, loopback where no such route
+    exists (seen on a two-node cluster in network namespaces)."""
+    if ray.is_initialized():
+        node_id = _node_id()
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id and node.get("Alive", True):
+                return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
+
 
 class TieredConnectorBackend(BaseConnectorBackend):
     # Sequential handoff without peer binding, in push mode too: the decode learns the transfer
@@ -38,6 +67,7 @@ class TieredConnectorBackend(BaseConnectorBackend):
         super().__init__(llm_config)
         self.push_target: str | None = None
         self.secret_source: str | None = None
+        self.forward_kv_params = forwarded_keys(getattr(llm_config, "experimental_configs", None))
         self._warned_client_params = False
 
     def setup(self) -> None:
@@ -48,7 +78,7 @@ class TieredConnectorBackend(BaseConnectorBackend):
         elif not isinstance(extra, dict):
             raise ConfigError("kv_connector_extra_config", extra, "must be a mapping")
         tp = int(self.llm_config.engine_kwargs.get("tensor_parallel_size", 1) or 1)
-        plan = stores.plan(extra, kv_role=ktc.get("kv_role"), node_ip=ray.util.get_node_ip_address(), tp_size=tp,
+        plan = stores.plan(extra, kv_role=ktc.get("kv_role"), node_ip=node_address(), tp_size=tp,
                            port_offset=self._compute_port_offset,
                            free_ports=lambda n, host: serving.free_port_block(n, host))
         extra.update(plan.updates)
@@ -62,12 +92,15 @@ class TieredConnectorBackend(BaseConnectorBackend):
                     f", push target {self.push_target}" if self.push_target else "", self.secret_source or "nowhere")
 
     def prepare_prefill_request(self, *, request: Any, peer: dict[str, Any] | None) -> Any:
-        if request.kv_transfer_params and not self._warned_client_params:
+        theirs = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
+        dropped = sorted(k for k in theirs if k not in self.forward_kv_params)
+        if dropped and not self._warned_client_params:
             self._warned_client_params = True  # as our proxy: a client does not steer the transfer plane
-            logger.warning("kv_transfer_params from the client dropped (keys %s): the P/D orchestrator sets them",
-                           sorted(request.kv_transfer_params))
+            logger.warning("kv_transfer_params from the client dropped (keys %s): the P/D orchestrator sets them "
+                           "(experimental_configs.%s lets named keys through)", dropped, FORWARD_KV_PARAMS)
         shaped = request.model_copy(deep=True)
-        kv = dict(PREFILL_KV_PARAMS)
+        kv = {k: theirs[k] for k in self.forward_kv_params if k in theirs}
+        kv.update(PREFILL_KV_PARAMS)  # ours always win
         if self.push_target:
             kv.update(transfer_mode="push", push_target=self.push_target)
         shaped.kv_transfer_params = kv

@@ -166,6 +166,23 @@ def test_pull_prefill_request_is_our_proxys(caplog):
     assert "kv_transfer_params from the client dropped" in caplog.text
 
 
+def test_named_client_kv_params_reach_the_prefill_and_ours_win(caplog):
+    """experimental_configs.kvconnectors_forward_kv_params, like the proxy's --forward-kv-params."""
+    from kvconnectors.integration.proxy import PREFILL_KV_PARAMS
+
+    raw = serve_args()["decode_config"]
+    raw["experimental_configs"] = {kbackend.FORWARD_KV_PARAMS: ["kvc_fault", "do_remote_decode"]}
+    cfg = LLMConfig.model_validate(raw)
+    cfg.setup_engine_backend()
+    request = completion(kv_transfer_params={"kvc_fault": "corrupt", "do_remote_decode": False, "push_target": "x"})
+    shaped = PDOrchestratorMixin._prepare_prefill_request(orchestrator(cfg), request)
+    assert shaped.kv_transfer_params == {**PREFILL_KV_PARAMS, "kvc_fault": "corrupt"}
+    assert "dropped (keys ['push_target'])" in caplog.text
+    raw["experimental_configs"] = {kbackend.FORWARD_KV_PARAMS: "kvc_fault"}
+    with pytest.raises(ConfigError, match="experimental_configs.kvconnectors_forward_kv_params"):
+        LLMConfig.model_validate(raw).setup_engine_backend()
+
+
 def test_chat_prefill_request_is_clamped():
     cfg, _ = set_up("decode")
     chat = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}],
@@ -211,6 +228,21 @@ def test_stores_advertise_the_node_ip():
     assert (extra_of(cfg)["bind_host"], extra_of(cfg)["advertise_host"]) == ("0.0.0.0", NODE_IP)
     cfg, _ = set_up("prefill", bind_host="127.0.0.1")  # an explicit address is the user's
     assert extra_of(cfg)["bind_host"] == "127.0.0.1" and "advertise_host" not in extra_of(cfg)
+
+
+def test_store_address_is_the_nodes_as_the_cluster_knows_it(monkeypatch):
+    """In a replica: the address its node registered (ray start --node-ip-address), not the source
+    address of the route to the internet that ray.util.get_node_ip_address() gives a worker."""
+    import ray
+
+    nodes = [{"NodeID": "n1", "Alive": True, "NodeManagerAddress": "10.0.0.1"},
+             {"NodeID": "n2", "Alive": True, "NodeManagerAddress": "10.0.0.2"}]
+    # Ray as a connected replica sees it, for the backend module only (the rest of Ray stays offline)
+    monkeypatch.setattr(kbackend, "ray", types.SimpleNamespace(is_initialized=lambda: True, nodes=lambda: nodes,
+                                                               util=ray.util))
+    monkeypatch.setattr(kbackend, "_node_id", lambda: "n2")
+    cfg, _ = set_up("prefill")
+    assert extra_of(cfg)["bind_host"] == "10.0.0.2"
 
 
 def test_push_landing_ports_differ_between_replicas():
