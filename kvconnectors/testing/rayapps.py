@@ -50,6 +50,17 @@ def app_config(model: str, *, http_host: str, http_port: int, prefill_store_port
     return cfg
 
 
+def colocated_outputs(model: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Greedy token ids of `prompts` and the answer to CHAT from one plain engine with the Serve
+    config's engine settings: the references of the Ray tests (computed before a cluster takes the cores)."""
+    from kvconnectors.testing.engines import generate_ids, greedy, llm_engine  # noqa: PLC0415 - imports vLLM
+
+    with llm_engine(model, max_model_len=2048) as llm:
+        ids = generate_ids(llm, prompts, max_tokens)
+        text = llm.chat(CHAT, greedy(max_tokens), use_tqdm=False)[0].outputs[0].text
+    return {"ids": ids, "chat": text}
+
+
 def token_ids(url: str, prompt: list[int], max_tokens: int, **extra: Any) -> list[int]:
     return list(complete(url, prompt, model=MODEL, max_tokens=max_tokens, timeout=120, **extra)["choices"][0]
                 ["token_ids"])

@@ -24,9 +24,8 @@ from kvconnectors.integration.workload import run_workload
 from kvconnectors.serving import complete, free_port, free_port_block
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
-from kvconnectors.testing.engines import generate_ids, greedy, llm_engine
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
-from kvconnectors.testing.rayapps import (CHAT, MODEL, app_config, assert_backend_found, chat,
+from kvconnectors.testing.rayapps import (MODEL, app_config, assert_backend_found, chat, colocated_outputs,
                                           store_when_empty, token_ids)
 from kvconnectors.testing.raycluster import RayCluster, RayNode
 
@@ -51,12 +50,7 @@ def control_prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def colocated(tiny_model, prompts, control_prompts) -> dict:
-    """Token ids of `prompts` then `control_prompts`, and the chat answer, from one plain engine
-    with the Serve config's engine settings (computed before the cluster takes the cores)."""
-    with llm_engine(tiny_model, max_model_len=2048) as llm:
-        ids = generate_ids(llm, prompts + control_prompts, MAX_TOKENS)
-        chat = llm.chat(CHAT, greedy(MAX_TOKENS), use_tqdm=False)[0].outputs[0].text
-    return {"ids": ids, "chat": chat}
+    return colocated_outputs(tiny_model, prompts + control_prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
