@@ -8,7 +8,8 @@ that host's network namespace with the host's address. Everything started is sto
 (`ray stop --force`, then any process of the cluster's trees still alive, vLLM engines included),
 and the temp dir (logs, sockets, the configs written here) is removed. Serve is shut down first,
 from a short-lived driver: `ray stop --force` alone SIGKILLs the replicas and leaves their vLLM
-engine processes (EngineCore, its workers) running, orphaned. Auth: Ray 2.60's token
+engine processes (EngineCore, its workers) running, orphaned. `ray stop` stops every Ray node of the
+machine, not only this cluster's: do not run these tests beside a Ray cluster of your own. Auth: Ray 2.60's token
 authentication with a token from the environment (RAY_AUTH_TOKEN), so nothing is written to
 ~/.ray; the same environment carries KVCONNECTORS_SECRET to every replica.
 """
