@@ -27,7 +27,7 @@ Run: `kvconnectors proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0
 `python -m kvconnectors.integration.proxy ...`.
 """
 
-from .app import FORWARDED_HEADERS, PREFILL_KV_PARAMS, REQUEST_ID_HEADER, PDProxy
+from .app import FORWARDED_HEADERS, PREFILL_KV_PARAMS, REQUEST_ID_HEADER, PDProxy, prefill_kv_params
 from .cli import main, run, serve
 from .config import (MODE_HEADER, MODES, InstanceSpec, Mode, ProxyConfig, add_arguments, config_argv,
                      config_from_args, parse_decode, parse_hostport, parse_key_list, parse_prefill, parse_url)
@@ -40,6 +40,7 @@ __all__ = [
     "ClientGone", "HealthChecker", "Instance", "InstanceSpec", "Mode", "PDProxy", "PassThrough", "Pool",
     "ProxyConfig", "ProxyError", "ProxyMetrics",
     "add_arguments", "config_argv", "config_from_args", "error_body", "kv_failure_cause", "main",
-    "parse_decode", "parse_hostport", "parse_key_list", "parse_prefill", "parse_url", "run", "serve",
+    "parse_decode", "parse_hostport", "parse_key_list", "parse_prefill", "parse_url", "prefill_kv_params", "run",
+    "serve",
     "upstream_failure",
 ]

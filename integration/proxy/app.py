@@ -9,6 +9,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -42,6 +43,17 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+def prefill_kv_params(client: Any, forward: Sequence[str], push_target: str | None = None) -> dict[str, Any]:
+    """The prefill leg's kv_transfer_params: the client's keys named in `forward` (none by default: a
+    client must not steer the transfer plane unless the operator allows that key), then ours, which
+    always win; in push mode the decode's landing store to push to. Our proxy's and the Ray backend's."""
+    kv = {k: client[k] for k in forward if k in client} if isinstance(client, dict) else {}
+    kv.update(PREFILL_KV_PARAMS)
+    if push_target is not None:
+        kv.update(transfer_mode="push", push_target=push_target)
+    return kv
 
 
 @dataclasses.dataclass
@@ -278,20 +290,9 @@ class PDProxy:
         body["stream"] = False
         body.pop("stream_options", None)
         body.pop("min_tokens", None)
-        kv = self._forwarded_kv_params(call)
-        kv.update(PREFILL_KV_PARAMS)  # the proxy's own keys always win
-        if push_target is not None:
-            kv.update(transfer_mode="push", push_target=push_target)
-        body["kv_transfer_params"] = kv
+        body["kv_transfer_params"] = prefill_kv_params(call.body.get("kv_transfer_params"),
+                                                       self.config.forward_kv_params, push_target)
         return body
-
-    def _forwarded_kv_params(self, call: _Call) -> dict[str, Any]:
-        """The client's kv_transfer_params keys named by --forward-kv-params (none by default: a
-        client must not steer the transfer plane unless the operator allows that key)."""
-        theirs = call.body.get("kv_transfer_params")
-        if not self.config.forward_kv_params or not isinstance(theirs, dict):
-            return {}
-        return {k: theirs[k] for k in self.config.forward_kv_params if k in theirs}
 
     async def _prefill(self, call: _Call, push_target: str | None = None) -> dict[str, Any]:
         """Run the prefill leg, retrying retryable failures on other instances. Returns the

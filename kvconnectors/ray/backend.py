@@ -20,7 +20,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorB
 
 from kvconnectors import serving
 from kvconnectors.errors import ConfigError
-from kvconnectors.integration.proxy import PREFILL_KV_PARAMS  # the prefill leg: as our proxy sends it
+from kvconnectors.integration.proxy import prefill_kv_params  # the prefill leg: as our proxy sends it
 from kvconnectors.logs import get_logger
 from kvconnectors.ray import stores
 
@@ -99,11 +99,7 @@ class TieredConnectorBackend(BaseConnectorBackend):
             logger.warning("kv_transfer_params from the client dropped (keys %s): the P/D orchestrator sets them "
                            "(experimental_configs.%s lets named keys through)", dropped, FORWARD_KV_PARAMS)
         shaped = request.model_copy(deep=True)
-        kv = {k: theirs[k] for k in self.forward_kv_params if k in theirs}
-        kv.update(PREFILL_KV_PARAMS)  # ours always win
-        if self.push_target:
-            kv.update(transfer_mode="push", push_target=self.push_target)
-        shaped.kv_transfer_params = kv
+        shaped.kv_transfer_params = prefill_kv_params(theirs, self.forward_kv_params, self.push_target)
         clamp_request_to_single_token(shaped)
         if getattr(shaped, "min_tokens", 0):
             shaped.min_tokens = 0  # vLLM refuses min_tokens > max_tokens (1)
