@@ -100,9 +100,13 @@ class RayCluster:
         env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
         return env
 
-    def _run(self, node: RayNode | None, argv: list[str], timeout: float) -> str:
-        ctx = node.inside() if node is not None and node.inside else contextlib.nullcontext()
-        with ctx:
+    @staticmethod
+    def _on(node: RayNode) -> contextlib.AbstractContextManager[None]:
+        """Inside the node's host (network namespace), or here."""
+        return node.inside() if node.inside else contextlib.nullcontext()
+
+    def _run(self, node: RayNode, argv: list[str], timeout: float) -> str:
+        with self._on(node):
             res = subprocess.run(argv, env=self._environ(), capture_output=True, text=True, timeout=timeout)
         if res.returncode != 0:
             raise RuntimeError(f"`{' '.join(argv)}` failed ({res.returncode}):\n{res.stdout[-3000:]}\n"
@@ -169,9 +173,8 @@ class RayCluster:
         while time.monotonic() - start < timeout:
             if alive is not None:
                 alive()
-            ctx = node.inside() if node.inside else contextlib.nullcontext()
             try:
-                with ctx:
+                with self._on(node):
                     req = urllib.request.Request(f"{url}/v1/completions", data=body,
                                                  headers={"Content-Type": "application/json"})
                     with urllib.request.urlopen(req, timeout=30) as resp:
