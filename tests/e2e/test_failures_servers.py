@@ -1,8 +1,8 @@
 """Failure scenarios between two live `vllm serve` instances (issue: explicit failure policy).
 
 For each scenario: with `fail` the affected request ends with an error while concurrent
-requests complete correctly; with `recompute` every output equals colocated; with `retry` a
-transient fault heals. After each, nothing is left behind on either side: no request, no KV
+requests complete correctly; with `recompute` every output equals colocated; with `retry` (asked
+per request, on the recompute pair) a transient fault heals. After each, nothing is left behind on either side: no request, no KV
 block, no store entry (lease), no open store connection.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import post_json, read_metrics
-from kvconnectors.testing.compare import assert_same_tokens, first_mismatch
+from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import token_prompts
 from kvconnectors.errors import FailureCause, TransferError
@@ -28,12 +28,15 @@ pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 8
 NIXL_STYLE = {"do_remote_decode": True, "do_remote_prefill": False}
+RETRY_LENGTHS = [330, 350, 370, 390, 410, 340, 360, 420]
+RETRY_MIN_BLOCKS = 10  # more than any of prompts[:8] has, fewer than any of RETRY_LENGTHS'
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    # The last prompt is the only one over 14 blocks: the "producer killed" scenario slows its read.
-    return token_prompts([70, 100, 130, 200, 90, 160, 60, 250, 600], seed=21)
+    # prompts[8] is the only one over 14 blocks: the "producer killed" scenario slows its read.
+    # prompts[9:] (10 to 13 blocks) are the retry phase's: only they reach its fault rules.
+    return token_prompts([70, 100, 130, 200, 90, 160, 60, 250, 600] + RETRY_LENGTHS, seed=21)
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +142,19 @@ def test_fail_policy_scenarios(tiny_model, prompts, colocated, tmp_path) -> None
         assert_nothing_left(pd, producer_alive=False)
 
 
-def test_recompute_policy_equals_colocated(tiny_model, prompts, colocated, tmp_path) -> None:
+def test_recompute_policy_equals_colocated_and_retry_heals_transient_faults(tiny_model, prompts, colocated,
+                                                                            tmp_path) -> None:
+    """One pair for two policies: recompute (the engine's, for every failed load) and retry (asked
+    per request with kv_transfer_params failure_policy). Each phase has its own faults: the retry
+    phase's rules fire only on its long prompts' reads (min_blocks), which none of the first phase has."""
+    long = {"min_blocks": RETRY_MIN_BLOCKS}
     kv = {"kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"fault_injection": [{"action": "corrupt", "nth": 2},
-                                                            {"action": "truncate", "nth": 4},
-                                                            {"action": "disconnect", "nth": 6}]}}
+          "kv_connector_extra_config": {"retries": 2, "load_timeout_s": 12, "fault_injection": [
+              {"action": "corrupt", "nth": 2}, {"action": "truncate", "nth": 4}, {"action": "disconnect", "nth": 6},
+              {"action": "corrupt", "nth": 2, **long}, {"action": "disconnect", "nth": 4, **long},
+              {"action": "drop", "nth": 6, **long}]}}
     with PDCluster(tiny_model, kv_extra=kv, log_dir=tmp_path) as pd:
+        # recompute: failed loads are computed again, every output equals colocated
         outs = through_proxy(pd, prompts[:8])
         assert_same_tokens(colocated[:8], outs, "recompute after a failed transfer")
         assert sum(failures(pd.decode[0]).values()) == 3
@@ -154,18 +164,15 @@ def test_recompute_policy_equals_colocated(tiny_model, prompts, colocated, tmp_p
         assert failures(pd.decode[0]).get("layout_mismatch") == 1
         assert_nothing_left(pd)  # failed transfers were released by the consumer, not left to expire
 
-
-def test_retry_heals_transient_faults(tiny_model, prompts, colocated, tmp_path) -> None:
-    kv = {"kv_connector_extra_config": {"failure_policy": "retry", "retries": 2, "load_timeout_s": 12,
-                                        "fault_injection": [{"action": "corrupt", "nth": 2},
-                                                            {"action": "disconnect", "nth": 4},
-                                                            {"action": "drop", "nth": 6}]}}
-    with PDCluster(tiny_model, kv_extra=kv, log_dir=tmp_path) as pd:
-        outs = through_proxy(pd, prompts[:8])
-        assert_same_tokens(colocated[:8], outs, "a retried transfer")
+        # retry, per request: a corrupted, a cut and an unanswered read are each pulled again
+        before = failures(pd.decode[0])
+        retry = {"failure_policy": "retry", "retries": 2}
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda p: decode(pd, p, {**prefill_ticket(pd, p), **retry}), prompts[9:]))
+        assert_same_tokens(colocated[9:], outs, "a retried transfer")
         d = pd.decode[0].metrics()
         assert sum(v for _, v in d.get("kvconnectors:transfer_retries_total", [])) == 3
-        assert not failures(pd.decode[0])
+        assert failures(pd.decode[0]) == before, "a retried transfer was counted as failed"
         assert_nothing_left(pd)
 
 

@@ -4,16 +4,16 @@ Zero wrong outputs (every completed request equals colocated on all 16 tokens), 
 request has a typed cause, nothing leaks, resident memory flat after warm-up. The numbers are
 printed (and kept in the README).
 
-Then the negative control of that "zero wrong outputs": a second pair with checksums off and
-silent corruption on 40% of the reads. The same `wrong_outputs` judgement must find the
-corrupted requests among requests that all completed normally, or it could not have seen a
-wrong output in the soak either. (To see the control fail: make `wrong_outputs` return [] or
-compare nothing but `r.error`, or set SILENT_FAULTS' probability to 0 -- its lower bound fails.
-Not run where this was written: it needs engines.)
+Then the negative control of that "zero wrong outputs", on the same pair and data path: 100 more
+requests, 40 of which ask for their KV to be silently corrupted where the pull delivers it (test
+hooks, checksum skipped for those transfers). The same `wrong_outputs` judgement must name those
+among the requests that completed normally, and only those, or it could not have seen a wrong
+output in the soak either. (Seen to fail: with `wrong_outputs` returning [] its lower bound fails.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Sequence
@@ -33,12 +33,13 @@ REQUESTS, WARMUP, DISTINCT, MAX_TOKENS = 1000, 200, 50, 16
 CONCURRENCY = 8  # requests in flight: a busy decode batches them, and the soak runs in less wall time
 FAULTS = [{"action": "corrupt", "probability": 0.02}, {"action": "truncate", "probability": 0.01},
           {"action": "disconnect", "probability": 0.01}, {"action": "delay", "probability": 0.02, "delay_s": 0.3}]
+# The soak's pair: the random faults, and the test hooks its control asks for per request.
+KV = {"kv_connector_extra_config": {"fault_injection": FAULTS, "test_hooks": True}}
 # The control: 100 distinct prompts of 70 to 299 tokens (2 to 9 full blocks of 32; no prefix
-# cache, so each request pulls its KV in exactly one read), 40% of the reads corrupted (the
-# seeded plan picks 25 of the first 100), no checksum to notice it.
+# cache, so each request pulls its KV in exactly one read); those with index % 5 in (0, 2) ask for
+# their KV corrupted (kv_transfer_params kvc_fault, forwarded by the proxy).
 SILENT_REQUESTS = 100
-SILENT_FAULTS = [{"action": "corrupt", "probability": 0.4}]
-SILENT_KV = {"kv_connector_extra_config": {"checksum": False, "fault_injection": SILENT_FAULTS}}
+CORRUPTED = frozenset(i for i in range(SILENT_REQUESTS) if i % 5 in (0, 2))
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,20 @@ def colocated(tiny_model, prompts) -> dict[str, list[list[int]]]:
         out = {phase: generate_ids(llm, ps, MAX_TOKENS) for phase, ps in prompts.items()}
     assert all(len(ids) == MAX_TOKENS for ids in out["soak"] + out["silent"]), "fewer tokens to compare"
     return out
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model, tmp_path_factory):
+    """One pair for the soak and its control."""
+    with PDCluster(tiny_model, kv_extra=KV, proxy_args=["--forward-kv-params", "kvc_fault"],
+                   log_dir=tmp_path_factory.mktemp("soak")) as cluster:
+        yield cluster
+
+
+def typed_failures(pd: PDCluster) -> Counter:
+    """The decode's failed transfers so far, by cause."""
+    return Counter({labels["cause"]: int(v) for labels, v in
+                    pd.decode[0].metrics().get("kvconnectors:transfer_failures_total", [])})
 
 
 def wrong_outputs(results: Sequence[RequestResult], expected: Sequence[list[int]]) -> list[int]:
@@ -89,27 +104,24 @@ def render(report: dict) -> str:
         "no request, KV block, store entry, lease or store connection left on either side"])
 
 
-def test_soak_with_random_faults(tiny_model, prompts, colocated, tmp_path) -> None:
+def test_soak_with_random_faults(pd, prompts, colocated) -> None:
     requests = [prompts["soak"][i % DISTINCT] for i in range(REQUESTS)]
     expected = [colocated["soak"][i % DISTINCT] for i in range(REQUESTS)]
-    kv = {"kv_connector_extra_config": {"fault_injection": FAULTS}}
-    with PDCluster(tiny_model, kv_extra=kv, log_dir=tmp_path) as pd:
-        name = pd.prefill[0].served_model_name
-        warm = run_workload(pd.proxy_url, name, requests[:WARMUP], MAX_TOKENS, concurrency=CONCURRENCY, progress=False)
-        rss_warm = [tree_rss(s.pid) for s in pd.servers]
-        rest = run_workload(pd.proxy_url, name, requests[WARMUP:], MAX_TOKENS, concurrency=CONCURRENCY, progress=False)
-        results = warm + [r.__class__(**{**r.__dict__, "index": r.index + WARMUP}) for r in rest]
-        assert_pd_idle(pd)
-        rss_end = [tree_rss(s.pid) for s in pd.servers]
-        d = pd.decode[0].metrics()
-    causes = {labels["cause"]: int(v) for labels, v in d.get("kvconnectors:transfer_failures_total", [])}
+    name = pd.prefill[0].served_model_name
+    warm = run_workload(pd.proxy_url, name, requests[:WARMUP], MAX_TOKENS, concurrency=CONCURRENCY, progress=False)
+    rss_warm = [tree_rss(s.pid) for s in pd.servers]
+    rest = run_workload(pd.proxy_url, name, requests[WARMUP:], MAX_TOKENS, concurrency=CONCURRENCY, progress=False)
+    results = warm + [dataclasses.replace(r, index=r.index + WARMUP) for r in rest]
+    assert_pd_idle(pd)
+    rss_end = [tree_rss(s.pid) for s in pd.servers]
+    causes = dict(typed_failures(pd))
     failed = [r for r in results if r.error]
     wrong = wrong_outputs(results, expected)
     growth = [(e - w) / w for w, e in zip(rss_warm, rss_end)]
     report = {"requests": REQUESTS, "tokens_compared_per_request": MAX_TOKENS,
               "completed": REQUESTS - len(failed), "failed": len(failed),
               "wrong_outputs": len(wrong), "failures_by_cause": causes,
-              "faults_planned_for_the_first_reads": dict(planned_faults(kv, REQUESTS)),
+              "faults_planned_for_the_first_reads": dict(planned_faults(KV, REQUESTS)),
               "rss_mb_after_warmup": [round(x / 2**20) for x in rss_warm],
               "rss_mb_end": [round(x / 2**20) for x in rss_end], "rss_growth": [round(g, 4) for g in growth]}
     print("SOAK " + json.dumps(report))
@@ -121,24 +133,35 @@ def test_soak_with_random_faults(tiny_model, prompts, colocated, tmp_path) -> No
     assert all(g < 0.05 for g in growth), f"resident memory grew after warm-up: {report}"
 
 
-def test_the_soaks_judgement_sees_silent_corruption(tiny_model, prompts, colocated, tmp_path) -> None:
-    """Checksums off, 40% of the reads corrupted: every request completes normally, and
-    `wrong_outputs` reports (nearly) every corrupted one. The corrupted reads are known by count
-    only (the plan is seeded; which request gets which read depends on timing), so the bound is
-    on the count: at least 90% of them (a corrupted block could, rarely, leave 16 tokens as they
-    were)."""
-    with PDCluster(tiny_model, kv_extra=SILENT_KV, log_dir=tmp_path) as pd:
-        results = run_workload(pd.proxy_url, pd.prefill[0].served_model_name, prompts["silent"], MAX_TOKENS,
-                               concurrency=CONCURRENCY, progress=False)
-        assert_pd_idle(pd)
-    corrupted = planned_faults(SILENT_KV, SILENT_REQUESTS)["corrupt"]
-    abnormal = [(r.index, r.error, len(r.token_ids)) for r in results if not completed_normally(r)]
-    wrong = wrong_outputs(results, colocated["silent"])
-    print("SOAK_SILENT " + json.dumps({"requests": SILENT_REQUESTS, "corrupted_reads": corrupted,
-                                       "wrong_outputs": len(wrong), "abnormal": len(abnormal)}))
-    print(f"silent-corruption control: {SILENT_REQUESTS} requests, checksums off, {corrupted} reads corrupted, "
-          f"{len(abnormal)} failed, {len(wrong)} wrong outputs seen")
-    assert corrupted >= 10, f"the seeded plan corrupts only {corrupted} reads: too few for a control"
-    assert not abnormal, f"with checksums off nothing may fail: {abnormal[:5]}"
-    assert len(wrong) >= corrupted - corrupted // 10, (
-        f"{corrupted} reads were corrupted, the harness saw {len(wrong)} wrong outputs")
+def test_the_soaks_judgement_sees_silent_corruption(pd, prompts, colocated) -> None:
+    """On the soak's pair, after the soak: 40 of 100 requests have their KV silently corrupted on
+    arrival (test hook; the checksum is skipped for exactly those transfers). `wrong_outputs` must
+    report every corrupted request that completed normally, and no other. Tolerated: a corrupted
+    request the plan's random faults failed (typed, like in the soak), and, seldom, one whose bytes
+    the plan's own 2% corruption flipped back (same XOR; the skipped checksum cannot notice)."""
+    name = pd.prefill[0].served_model_name
+    marked = [i for i in range(SILENT_REQUESTS) if i in CORRUPTED]
+    clean = [i for i in range(SILENT_REQUESTS) if i not in CORRUPTED]
+    failures_before = typed_failures(pd)
+    results = []
+    for ids, extra in ((marked, {"kv_transfer_params": {"kvc_fault": "corrupt"}}), (clean, None)):
+        done = run_workload(pd.proxy_url, name, [prompts["silent"][i] for i in ids], MAX_TOKENS,
+                            concurrency=CONCURRENCY, progress=False, extra_body=extra)
+        results += [dataclasses.replace(r, index=ids[r.index]) for r in done]
+    assert_pd_idle(pd)
+    completed = {r.index for r in results if completed_normally(r)}
+    failed = [(r.index, r.error) for r in results if r.error]
+    wrong = set(wrong_outputs(results, colocated["silent"]))
+    corrupted = CORRUPTED & completed
+    print("\nSOAK_SILENT " + json.dumps({"requests": SILENT_REQUESTS, "corrupted_asked": len(CORRUPTED),
+                                       "corrupted_completed": len(corrupted), "wrong_outputs": len(wrong),
+                                       "failed": len(failed)}))
+    print(f"silent-corruption control: {SILENT_REQUESTS} requests on the soak's pair, {len(CORRUPTED)} with their "
+          f"KV corrupted unchecked, {len(failed)} failed (random faults), {len(wrong)} wrong outputs seen, "
+          f"all of them corrupted requests")
+    typed = typed_failures(pd) - failures_before
+    assert typed.total() == len(failed), f"{len(failed)} failed requests, typed causes {dict(typed)}: {failed[:3]}"
+    assert len(corrupted) >= 30, f"only {len(corrupted)} corrupted requests completed: too few for a control"
+    assert wrong <= CORRUPTED, f"requests {sorted(wrong - CORRUPTED)} were not corrupted yet decoded wrongly"
+    assert len(wrong) >= len(corrupted) - len(corrupted) // 10, (
+        f"{len(corrupted)} corrupted requests completed normally, the judgement saw {len(wrong)} wrong outputs")
