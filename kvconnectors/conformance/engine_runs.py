@@ -8,7 +8,8 @@ default suite: these build vLLM engines or servers).
   process (ExampleConnector's store is a folder, so both need not be alive at once).
 - `server_pd`: two live `vllm serve` processes (NixlConnector needs both alive), driven the way
   vLLM's toy proxy does: prefill with {"do_remote_decode": true} and max_tokens=1, then decode
-  with the returned kv_transfer_params.
+  with the returned kv_transfer_params. The pair is kept for the next test of the class that
+  asks for the same configuration (`KEPT_PAIR`), so a suite pays one start per configuration.
 """
 
 from __future__ import annotations
@@ -33,12 +34,40 @@ class PDRun:
 _colocated_cache: dict[tuple, list[list[int]]] = {}
 
 
+class KeptPair:
+    """At most one live `vllm serve` pair, kept between the engine tests of one class that ask
+    for the same configuration (backend, model, both kv-transfer configs). Asking for another
+    configuration, building an in-process engine (`colocated`) or ending the class (the suite's
+    class fixture) stops it first: never more than two engines at once."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.servers: list[Any] = []
+
+    def get(self, key: tuple, start: Any) -> list[Any]:
+        """The live pair for `key`; `start()` builds and starts a new one (the kept one stops first)."""
+        if key != self.key or not all(s.is_running() for s in self.servers):
+            self.close()
+            self.servers = start()
+            self.key = key
+        return self.servers
+
+    def close(self) -> None:
+        servers, self.servers, self.key = self.servers, [], None
+        for srv in reversed(servers):
+            srv.stop()
+
+
+KEPT_PAIR = KeptPair()
+
+
 def colocated(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy output of a plain engine (no connector); cached per process."""
     key = (model, tuple(map(tuple, prompts)), max_tokens)
     if key not in _colocated_cache:
         from kvconnectors.testing.engines import generate_ids, llm_engine
 
+        KEPT_PAIR.close()  # no in-process engine beside a kept server pair
         with llm_engine(model) as llm:
             _colocated_cache[key] = generate_ids(llm, prompts, max_tokens)
     return _colocated_cache[key]
@@ -135,18 +164,30 @@ def server_pd(backend: "ConnectorBackend", model: str, prompts: list[list[int]],
     from kvconnectors.serving import VllmServer, complete
 
     extra, params_fn = _fault(backend, fault)
-    servers: list[VllmServer] = []
+    roles = (backend.producer_role, backend.consumer_role)
+    configs = [backend.kv_transfer_config(role, policy=policy, extra=extra) for role in roles]
+
+    def start() -> list[VllmServer]:
+        servers: list[VllmServer] = []
+        try:
+            for i, (role, cfg) in enumerate(zip(roles, configs)):
+                servers.append(VllmServer(model, name=f"{backend.name}-{role}", core=i % 2,
+                                          extra_args=["--kv-transfer-config", json.dumps(cfg)],
+                                          env=backend.environment(role, f"server-{i}"),
+                                          log_path=Path(workdir) / f"{role}.log"))
+            for srv in servers:
+                srv.start(wait=False)
+            for srv in servers:
+                srv.wait_healthy()
+        except BaseException:
+            for srv in reversed(servers):
+                srv.stop()
+            raise
+        return servers
+
+    key = (type(backend).__qualname__, model, *(json.dumps(c, sort_keys=True) for c in configs))
+    servers = KEPT_PAIR.get(key, start)
     try:
-        for i, role in enumerate((backend.producer_role, backend.consumer_role)):
-            cfg = backend.kv_transfer_config(role, policy=policy, extra=extra)
-            srv = VllmServer(model, name=f"{backend.name}-{role}", core=i % 2,
-                             extra_args=["--kv-transfer-config", json.dumps(cfg)],
-                             env=backend.environment(role, f"server-{i}"), log_path=Path(workdir) / f"{role}.log")
-            servers.append(srv)
-        for srv in servers:
-            srv.start(wait=False)
-        for srv in servers:
-            srv.wait_healthy()
         prefill_srv, decode_srv = servers
         name = prefill_srv.served_model_name
         token_ids, reasons, params = [], [], []
@@ -170,6 +211,6 @@ def server_pd(backend: "ConnectorBackend", model: str, prompts: list[list[int]],
             reasons.append(choice.get("finish_reason"))
         return PDRun(token_ids=token_ids, finish_reasons=reasons, producer_params=params,
                      notes={"logs": [str(s.log_path) for s in servers]})
-    finally:
-        for srv in reversed(servers):
-            srv.stop()
+    except BaseException:
+        KEPT_PAIR.close()  # a pair that failed a test is not handed to the next one
+        raise

@@ -30,6 +30,7 @@ import importlib
 import itertools
 import traceback
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -65,6 +66,14 @@ class ConnectorBackend:
     tmp_path: Path | None = None   # set per test by the gate (pytest's tmp_path)
 
     # ---------------------------------------------------------------- gate (autouse)
+    @pytest.fixture(autouse=True, scope="class")
+    def _kept_pair_ends_with_the_class(self) -> Iterator[None]:
+        """The live server pair engine tests may keep (engine_runs.KEPT_PAIR) stops with the class."""
+        yield
+        from kvconnectors.conformance.engine_runs import KEPT_PAIR
+
+        KEPT_PAIR.close()
+
     @pytest.fixture(autouse=True)
     def _conformance_gate(self, request: pytest.FixtureRequest, tmp_path: Path) -> None:
         """Per test: availability, declared capabilities, known skips, strict xfails."""

@@ -6,6 +6,8 @@ from kvconnectors.conformance import (EngineEndToEndTests, FailureReportingTests
 from kvconnectors.conformance.backends import NixlBackend
 
 
-class TestNixl(NixlBackend, SchedulerContractTests, WorkerTransferTests, EngineEndToEndTests,
-               FailureReportingTests):
+# FailureReportingTests before EngineEndToEndTests: pytest collects base classes in reverse MRO, so
+# the identity test runs first and its pair (policy fail) is kept for the fail-policy test after it.
+class TestNixl(NixlBackend, SchedulerContractTests, WorkerTransferTests, FailureReportingTests,
+               EngineEndToEndTests):
     pass

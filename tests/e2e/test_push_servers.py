@@ -81,10 +81,10 @@ def total(metrics: dict, name: str, **labels: str) -> float:
 
 
 @pytest.mark.parametrize("transport, vllm_args, spill", [
-    ("tcp", "", True), ("nixl", "", False),
     # long prompts prefilled over several steps: groups of each step's whole blocks go out as staged
-    ("tcp", "--max-num-batched-tokens 512 --max-num-seqs 8", False),
-], ids=["tcp-spilling", "nixl", "tcp-chunked"])
+    # (one-step prefills are pushed over tcp across hosts, test_hosts_servers, and through Ray)
+    ("tcp", "--max-num-batched-tokens 512 --max-num-seqs 8", True), ("nixl", "", False),
+], ids=["tcp-chunked-spilling", "nixl"])
 def test_push_servers_equal_colocated(deep_model, prompts, control_prompts, colocated, transport, vllm_args, spill,
                                      tmp_path) -> None:
     """Identity in push mode with every loaded byte landed over the push path of `transport`;
