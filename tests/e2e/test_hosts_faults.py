@@ -6,7 +6,8 @@ link is unplugged (`ip link set down`) or throttled (tc tbf) while a pull is und
 - the rate collapses mid-transfer: the load deadline fires, typed `timeout`;
 - the producer's host is unreachable for longer than the deadline: typed, and the pair serves again
   once the link is back;
-- the decode host's processes are killed mid-transfer: the producer lets go by itself (lease).
+- the decode host's processes are killed mid-transfer: the producer lets go by itself (lease; once,
+  with recompute: the producer's side does not depend on the consumer's policy).
 `fail` reports the cause to the client, `retry` tries again inside the deadline, `recompute`
 answers correctly anyway. After each: nothing held on either side.
 """
@@ -166,8 +167,8 @@ def test_fail_and_retry_policies_on_a_real_link(tiny_model, hosts, secret, promp
             # ... and once the link is back the pair serves correctly again
             assert decode(pd, short, ticket(pd, short)) == colocated[2]
             idle(pd, secret)
-            # 4. the decode host's processes die mid-transfer
-            kill_decode_mid_transfer(pd, long_prompt, secret)
+            # (the decode host's processes dying mid-transfer: the recompute test below; what the
+            # producer does then does not depend on the consumer's policy)
         finally:
             hosts.unshape("pre")
 
