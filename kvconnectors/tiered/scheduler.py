@@ -298,7 +298,10 @@ class TieredConnectorScheduler:
             # False: the engine's blocks are free now; the staged copy serves the consumer.
             return False, kvparams.producer_params(ticket, self.engine_id)
         waiting = self._waiting_remote.pop(req_id, None)
-        self._resliced.pop(req_id, None)  # (aborted before its load: `waiting` releases every rank)
+        if waiting is not None:  # aborted before its load: `waiting` releases every rank below
+            self._resliced.pop(req_id, None)
+        # A resliced load still under way keeps its entry: its ranks are released when the worker
+        # reports the load over (update_connector_output), also for a request aborted meanwhile.
         if req_id in self._pushed:
             self._pushed.discard(req_id)
             if self._keeper is not None:

@@ -223,34 +223,61 @@ def test_a_killed_producer_rank_fails_the_load_typed_naming_it(pools) -> None:
     assert not loaded_equals_reference(full, consumers[0], 1, 0)
 
 
-def test_the_scheduler_releases_every_producer_rank_after_a_resliced_load() -> None:
+class Keeper:
+    """The lease keeper stand-in: records what the scheduler asks of it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def track(self, req_id, addrs, tid, **kw):
+        self.calls.append(("track", req_id, list(addrs)))
+
+    def untrack(self, req_id):
+        self.calls.append(("untrack", req_id))
+
+    def release(self, req_id, addrs, tid, token=""):
+        self.calls.append(("release", req_id, list(addrs)))
+
+    def close(self):
+        pass
+
+
+def consumer_scheduler(d_tp: int):
+    """A consumer scheduler at TP `d_tp` with a recording keeper, and a ticket from a TP=2 producer."""
     from kvconnectors.tiered.scheduler import TieredConnectorScheduler
 
-    class Keeper:
-        def __init__(self):
-            self.calls = []
-
-        def track(self, req_id, addrs, tid, **kw):
-            self.calls.append(("track", req_id, list(addrs)))
-
-        def untrack(self, req_id):
-            self.calls.append(("untrack", req_id))
-
-        def release(self, req_id, addrs, tid, token=""):
-            self.calls.append(("release", req_id, list(addrs)))
-
-        def close(self):
-            pass
-
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS),
+                                  parallel_config=SimpleNamespace(tensor_parallel_size=d_tp),
+                                  kv_transfer_config=SimpleNamespace(is_kv_consumer=False))
+    sched = TieredConnectorScheduler(vllm_config, TieredConfig(), "e")
+    sched._keeper = Keeper()
     ticket = msgspec.to_builtins(ticket_for(layout(2, 0), 2))
     ticket["token"] = kvparams.new_token()
+    return sched, ticket
+
+
+def test_the_scheduler_releases_every_producer_rank_after_a_resliced_load() -> None:
     for d_tp, last in ((1, ("release", "r", [("127.0.0.1", 1), ("127.0.0.1", 2)])), (2, ("untrack", "r"))):
-        vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS),
-                                      parallel_config=SimpleNamespace(tensor_parallel_size=d_tp),
-                                      kv_transfer_config=SimpleNamespace(is_kv_consumer=False))
-        sched = TieredConnectorScheduler(vllm_config, TieredConfig(), "e")
-        sched._keeper = keeper = Keeper()
+        sched, ticket = consumer_scheduler(d_tp)
+        keeper = sched._keeper
         sched.on_new_request(SimpleNamespace(request_id="r", kv_transfer_params={"kvc": ticket, "do_remote_prefill": True}))
         sched.update_connector_output(SimpleNamespace(finished_recving={"r"}))
         assert keeper.calls[0] == ("track", "r", [("127.0.0.1", 1), ("127.0.0.1", 2)])
         assert keeper.calls[-1] == last, (d_tp, keeper.calls)
+
+
+def test_a_resliced_load_aborted_under_way_still_releases_every_producer_rank() -> None:
+    """Aborted while its load runs: no worker releases a resliced transfer, so the scheduler must
+    release every producer rank once the worker reports the load over (not leave them to expiry)."""
+    from vllm.v1.request import RequestStatus
+
+    sched, ticket = consumer_scheduler(1)
+    prompt = list(range(ticket["num_tokens"]))
+    request = SimpleNamespace(request_id="r", kv_transfer_params={"kvc": ticket, "do_remote_prefill": True},
+                              prompt_token_ids=prompt, status=RequestStatus.FINISHED_ABORTED)
+    sched.on_new_request(request)
+    blocks = SimpleNamespace(get_block_ids=lambda: [list(range(ticket["num_blocks"]))])
+    sched.update_state_after_alloc(request, blocks, len(prompt))  # the load is handed to the worker
+    assert sched.request_finished(request, []) == (False, None)   # aborted meanwhile
+    sched.update_connector_output(SimpleNamespace(finished_recving={"r"}))
+    assert sched._keeper.calls[-1] == ("release", "r", [("127.0.0.1", 1), ("127.0.0.1", 2)]), sched._keeper.calls
