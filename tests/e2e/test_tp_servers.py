@@ -2,9 +2,12 @@
 instances: the tiny model has 2 KV heads, so a TP-2 instance holds one head per rank. A consumer
 rank pulls the heads it owns from the producer ranks that hold them and assembles its blocks
 (P TP 2 -> D TP 1). P TP 1 -> D TP 2 (a consumer rank takes its slice of the one producer rank's
-blocks) passes in-process (tests/unit/test_tiered_tp.py) but between live servers on this 2-core
-host every pull timed out ("peer sent 0 of 4 bytes"), unless strace slowed the decode: open, see
-the session note; it is not claimed here.
+blocks) passes in-process (tests/unit/test_tiered_tp.py) and between live servers one request at
+a time, but with 4 in flight on this 2-vCPU VM most loads time out ("peer sent 0 of 4 bytes"):
+measured, even an unrelated process sleeping 10 ms in a loop, pinned to either core, then waits
+up to 5-11 s to be woken (P2 -> D1: at most 0.13 s), while /proc/stat shows a third of the CPU
+idle, so the producer's store server cannot answer within connect_timeout_s. Not claimed here
+until that is understood (see the session note).
 
 Three engine processes on two cores (a TP-2 instance is two workers) is the exception the issue
 allows. Each case: greedy identity with colocated over block-boundary prompts, then on the same
