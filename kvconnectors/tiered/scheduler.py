@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.errors import TransferError
 from kvconnectors.logs import get_logger
 from kvconnectors.tiered import params as kvparams
 from kvconnectors.tiered.config import TieredConfig

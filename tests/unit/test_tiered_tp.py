@@ -15,7 +15,6 @@ import time
 from types import SimpleNamespace
 
 import msgspec
-import numpy as np
 import pytest
 import torch
 
