@@ -29,8 +29,8 @@ from __future__ import annotations
 import importlib
 import itertools
 import traceback
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest

@@ -2,8 +2,8 @@
 
 For each scenario: with `fail` the affected request ends with an error while concurrent
 requests complete correctly; with `recompute` every output equals colocated; with `retry` (asked
-per request, on the recompute pair) a transient fault heals. After each, nothing is left behind on either side: no request, no KV
-block, no store entry (lease), no open store connection.
+per request, on the recompute pair) a transient fault heals. After each, nothing is left behind
+on either side: no request, no KV block, no store entry (lease), no open store connection.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import token_prompts
 from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.testing.leaks import assert_pd_idle
+from kvconnectors.testing.metrics import failures_by_cause
 from kvconnectors.transport.client import store_status
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -75,7 +76,7 @@ def through_proxy(pd: PDCluster, prompts: list[list[int]]) -> list[list[int] | s
 
 
 def failures(server) -> dict[str, float]:
-    return {labels["cause"]: v for labels, v in server.metrics().get("kvconnectors:transfer_failures_total", [])}
+    return dict(failures_by_cause(server))
 
 
 def assert_nothing_left(pd: PDCluster, producer_alive: bool = True) -> None:

@@ -28,6 +28,7 @@ from kvconnectors.serving import post_json
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.hosts import Hosts
 from kvconnectors.testing.leaks import assert_pd_idle
+from kvconnectors.testing.metrics import failures_by_cause
 from kvconnectors.testing.prompts import token_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -102,8 +103,7 @@ def during(fault, start_after_s: float, pd: PDCluster, prompt: list[int], t: dic
 
 def failures(pd: PDCluster) -> dict[str, float]:
     with pd.inside_client():
-        m = pd.decode[0].metrics()
-    return {labels["cause"]: v for labels, v in m.get("kvconnectors:transfer_failures_total", [])}
+        return dict(failures_by_cause(pd.decode[0]))
 
 
 def idle(pd: PDCluster, secret: bytes, producer_alive: bool = True) -> None:

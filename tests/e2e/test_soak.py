@@ -24,6 +24,7 @@ from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.integration.workload import RequestResult, run_workload
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.leaks import assert_pd_idle, tree_rss
+from kvconnectors.testing.metrics import failures_by_cause
 from kvconnectors.testing.prompts import token_prompts
 from kvconnectors.tiered.config import TieredConfig
 
@@ -63,12 +64,6 @@ def pd(tiny_model, tmp_path_factory):
     with PDCluster(tiny_model, kv_extra=KV, proxy_args=["--forward-kv-params", "kvc_fault"],
                    log_dir=tmp_path_factory.mktemp("soak")) as cluster:
         yield cluster
-
-
-def typed_failures(pd: PDCluster) -> Counter:
-    """The decode's failed transfers so far, by cause."""
-    return Counter({labels["cause"]: int(v) for labels, v in
-                    pd.decode[0].metrics().get("kvconnectors:transfer_failures_total", [])})
 
 
 def wrong_outputs(results: Sequence[RequestResult], expected: Sequence[list[int]]) -> list[int]:
@@ -114,7 +109,7 @@ def test_soak_with_random_faults(pd, prompts, colocated) -> None:
     results = warm + [dataclasses.replace(r, index=r.index + WARMUP) for r in rest]
     assert_pd_idle(pd)
     rss_end = [tree_rss(s.pid) for s in pd.servers]
-    causes = dict(typed_failures(pd))
+    causes = {c: int(n) for c, n in failures_by_cause(pd.decode[0]).items()}
     failed = [r for r in results if r.error]
     wrong = wrong_outputs(results, expected)
     growth = [(e - w) / w for w, e in zip(rss_warm, rss_end)]
@@ -142,7 +137,7 @@ def test_the_soaks_judgement_sees_silent_corruption(pd, prompts, colocated) -> N
     name = pd.prefill[0].served_model_name
     marked = [i for i in range(SILENT_REQUESTS) if i in CORRUPTED]
     clean = [i for i in range(SILENT_REQUESTS) if i not in CORRUPTED]
-    failures_before = typed_failures(pd)
+    failures_before = failures_by_cause(pd.decode[0])
     results = []
     for ids, extra in ((marked, {"kv_transfer_params": {"kvc_fault": "corrupt"}}), (clean, None)):
         done = run_workload(pd.proxy_url, name, [prompts["silent"][i] for i in ids], MAX_TOKENS,
@@ -159,7 +154,7 @@ def test_the_soaks_judgement_sees_silent_corruption(pd, prompts, colocated) -> N
     print(f"silent-corruption control: {SILENT_REQUESTS} requests on the soak's pair, {len(CORRUPTED)} with their "
           f"KV corrupted unchecked, {len(failed)} failed (random faults), {len(wrong)} wrong outputs seen, "
           f"all of them corrupted requests")
-    typed = typed_failures(pd) - failures_before
+    typed = failures_by_cause(pd.decode[0]) - failures_before
     assert typed.total() == len(failed), f"{len(failed)} failed requests, typed causes {dict(typed)}: {failed[:3]}"
     assert len(corrupted) >= 30, f"only {len(corrupted)} corrupted requests completed: too few for a control"
     assert wrong <= CORRUPTED, f"requests {sorted(wrong - CORRUPTED)} were not corrupted yet decoded wrongly"
