@@ -73,6 +73,10 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         "set false once the whole pool is upgraded")] = True
     server_idle_timeout_s: Annotated[Seconds, _doc("store server: close a connection idle this long")] = 300.0
     max_concurrent_loads: Annotated[int, _doc("pull threads per worker", ge=1)] = 4
+    idle_wait_s: Annotated[float, _doc(
+        "consumer: an engine step that schedules no tokens while loads are in flight waits up to this long "
+        "for one to finish (returns as soon as one does) instead of spinning the engine; 0 = never wait",
+        ge=0, le=1)] = 0.02
     instance_name: Annotated[str, _doc("prefix of store files")] = "kvc"
     failure_policy: Annotated[FailurePolicy | None,
                               _doc("fail | recompute | retry; None = vLLM's kv_load_failure_policy")] = None

@@ -141,7 +141,9 @@ class TieredConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.connector_worker is not None
-        done, failed = self.connector_worker.take_results()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(meta, TieredConnectorMetadata) and meta.idle_step
+        done, failed = self.connector_worker.take_results(wait_s=self.connector_worker.config.idle_wait_s if idle else 0.0)
         # Failed loads are also "finished receiving": that releases the request from its wait,
         # and failed_recving makes vLLM's kv_load_failure_policy fail or recompute it.
         return KVConnectorTransferResults(finished_recving=done | set(failed), failed_recving=set(failed))

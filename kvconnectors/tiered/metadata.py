@@ -44,6 +44,7 @@ class TieredConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)   # transfer ids whose staging was abandoned
+    idle_step: bool = False   # the step schedules no tokens: it only polls for finished loads
 
 
 @dataclass

@@ -198,7 +198,8 @@ class TieredConnectorScheduler:
 
     # ------------------------------------------------------------------ every step
     def build_connector_meta(self, so: "SchedulerOutput") -> TieredConnectorMetadata:
-        meta = TieredConnectorMetadata(recvs=self._recvs, drops=self._drops)
+        meta = TieredConnectorMetadata(recvs=self._recvs, drops=self._drops,
+                                       idle_step=getattr(so, "total_num_scheduled_tokens", 1) == 0)
         self._recvs, self._drops = [], []
         if not self._producing:
             return meta

@@ -18,7 +18,7 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import msgspec
@@ -107,12 +107,16 @@ class TieredConnectorWorker:
         self.landing: Landing | None = None
         # consumer results (pull threads -> forward thread)
         self._lock = threading.RLock()
+        self._results_ready = threading.Condition(self._lock)  # a load finished or failed
         self._done: set[str] = set()
         self._failed: dict[str, TransferError] = {}
         self._failed_ready: dict[str, TransferError] = {}  # reported at the next take_results
         self.stats = TieredStats()    # this interval's, handed to vLLM and reset
         self.totals = TieredStats()   # since start-up: what tests and diagnostics read
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrent_loads, thread_name_prefix="kvc-pull")
+        # another TP size: a pull reads its producer ranks side by side (threads start on demand)
+        self._rank_reads = ThreadPoolExecutor(max_workers=4 * config.max_concurrent_loads,
+                                              thread_name_prefix="kvc-rank-read")
         # transport nixl: fail start-up now if NIXL is missing; the consumer agent comes at first pull
         if config.transport == "nixl":
             nixl_transport.require_nixl()
@@ -563,39 +567,50 @@ class TieredConnectorWorker:
     def _pull_resliced(self, spec: RecvSpec, p: TransferParams, rs: Reslice, targets: list[int],
                        deadline: float, fault: str | None) -> dict[str, int]:
         """Another TP size: read every (layer, block) row of each producer rank the plan names
-        (whole rows: their checksums verify as staged), copy its head runs into this rank's rows,
-        and load them only when every rank's slices are in: a failed rank fails the load, named,
-        and nothing partial reaches the cache. No release here: a producer rank may serve several
-        consumer ranks, so the scheduler's lease keeper releases every rank once all are done.
-        Over tcp only (shm and nixl release inside the read)."""
+        (whole rows: their checksums verify as staged), all ranks at once, copy each one's head runs
+        into this rank's rows as it arrives, and load them only when every rank's slices are in: the
+        first rank to fail fails the load, named, and nothing partial reaches the cache. No release
+        here: a producer rank may serve several consumer ranks, so the scheduler's lease keeper
+        releases every rank once all are done. Over tcp only (shm and nixl release inside the read)."""
         layers = range(self.layout.num_layers)
-        n = len(targets)
         if self.config.transport != "tcp":
             self._record("record_path_fallback", self.config.transport, TCP_PULL.label)
-        mine = self.loader.landing_buffer(len(layers) * n)
+        mine = self.loader.landing_buffer(len(layers) * len(targets))
+        reads = {self._rank_reads.submit(self._read_rank, spec, p, rs, rank, len(targets), deadline, fault): rank
+                 for rank in rs.ranks}
         nbytes = 0
         try:
-            for rank in rs.ranks:
-                theirs = np.empty((len(layers) * n, rs.producer_row.row_bytes), np.uint8)
-                addr = f"{p.addrs[rank].host}:{p.addrs[rank].port}"
-                try:
-                    with self._producer_client(p, rank) as client:
-                        nbytes += client.read(p.transfer_id, layers, spec.first_block, list(map(memoryview, theirs)),
-                                              fingerprint=p.fingerprint, deadline=deadline,
-                                              verify=self.config.checksum and fault != "corrupt", path=TCP_PULL,
-                                              token=p.token)
-                except TransferError as exc:
-                    raise TransferError(exc.cause, f"producer rank {rank} of {rs.producer_tp} ({addr}): {exc.detail}",
-                                        refused=exc.refused) from None
-                if fault == "corrupt":  # test hook: silently, where the data path delivered the bytes
-                    tamper.corrupt(theirs)
-                for step in rs.steps_of(rank):
+            for done in as_completed(reads):
+                theirs, got = done.result()
+                nbytes += got
+                for step in rs.steps_of(reads[done]):
                     copy_heads(theirs, rs.producer_row, step.producer_heads, mine, rs.consumer_row, step.consumer_heads)
         except BaseException:
+            for read in reads:  # the others run to their end (or the deadline) on their own
+                read.cancel()
             self.loader.release_buffer(mine)
             raise
         self._load_rows(mine, layers, targets, deadline)
         return {TCP_PULL.label: nbytes}
+
+    def _read_rank(self, spec: RecvSpec, p: TransferParams, rs: Reslice, rank: int, n: int, deadline: float,
+                   fault: str | None) -> tuple[np.ndarray, int]:
+        """Producer rank `rank`'s whole rows of the transfer's `n` blocks (a rank-read thread), and
+        the bytes read."""
+        layers = range(self.layout.num_layers)
+        theirs = np.empty((len(layers) * n, rs.producer_row.row_bytes), np.uint8)
+        try:
+            with self._producer_client(p, rank) as client:
+                nbytes = client.read(p.transfer_id, layers, spec.first_block, list(map(memoryview, theirs)),
+                                     fingerprint=p.fingerprint, deadline=deadline,
+                                     verify=self.config.checksum and fault != "corrupt", path=TCP_PULL, token=p.token)
+        except TransferError as exc:
+            addr = f"{p.addrs[rank].host}:{p.addrs[rank].port}"
+            raise TransferError(exc.cause, f"producer rank {rank} of {rs.producer_tp} ({addr}): {exc.detail}",
+                                refused=exc.refused) from None
+        if fault == "corrupt":  # test hook: silently, where the data path delivered the bytes
+            tamper.corrupt(theirs)
+        return theirs, nbytes
 
     def _pull_to_device(self, spec: RecvSpec, p: TransferParams, layers: range, targets: list[int],
                         deadline: float) -> dict[str, int]:
@@ -702,6 +717,7 @@ class TieredConnectorWorker:
                 self._failed[req_id] = error
                 self._record("record_failure", error.cause.value)
                 self._record("record_error", req_id, error.cause.value, error.detail)
+            self._results_ready.notify_all()
         if error is not None:
             logger.error("KV load for request %s failed: %s", req_id, error)
 
@@ -710,11 +726,19 @@ class TieredConnectorWorker:
             for stats in (self.stats, self.totals):
                 getattr(stats, what)(*args)
 
-    def take_results(self) -> tuple[set[str], dict[str, TransferError]]:
+    def take_results(self, wait_s: float = 0.0) -> tuple[set[str], dict[str, TransferError]]:
         """Loads done now, and loads failed by the previous call: a failure's cause rides this
         step's stats to the API server, which must have it before the request's error output
-        (client_errors.py); one engine step later, on failures only."""
+        (client_errors.py); one engine step later, on failures only.
+
+        `wait_s` (a step with nothing scheduled, only waiting on loads): wait that long at most for
+        a load to finish. Without it the engine loops on empty steps; each one wakes every rank and
+        its EngineCore (vLLM's shm queues spin with sched_yield for 1 s after a read), so a TP-2
+        decode kept both cores of a 2-vCPU host busy and the producer's store server on one of them
+        could not answer a read for seconds (tests/e2e/test_tp_servers.py)."""
         with self._lock:
+            if wait_s > 0 and self.inflight_loads > 0 and not (self._done or self._failed or self._failed_ready):
+                self._results_ready.wait(wait_s)
             done, failed = self._done, self._failed_ready
             self._done, self._failed_ready, self._failed = set(), self._failed, {}
         return done, failed
@@ -748,6 +772,7 @@ class TieredConnectorWorker:
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._rank_reads.shutdown(wait=True, cancel_futures=True)
         self._stager_thread.shutdown(wait=True)
         if self.pusher is not None:
             self.pusher.close()

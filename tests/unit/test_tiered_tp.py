@@ -222,6 +222,20 @@ def test_a_killed_producer_rank_fails_the_load_typed_naming_it(pools) -> None:
     assert not loaded_equals_reference(full, consumers[0], 1, 0)
 
 
+def test_producer_ranks_are_read_side_by_side_and_the_first_to_fail_fails_the_load(pools) -> None:
+    """Rank 0 never answers, rank 1 is gone: read one after the other, the load would wait out its
+    deadline on rank 0 and blame it; read side by side, rank 1's failure ends it at once, named."""
+    full, producers, consumers = pools(2, 1, producer_cfg={"fault_injection": [{"action": "drop"}]})
+    producers[1].server.faults = producers[1].config.fault_plan.__class__.from_config(None)
+    ticket = stage(producers, "t-side", kvparams.new_token())
+    producers[1].server.close()
+    producers[1].server = None
+    start = time.monotonic()
+    err = load(consumers, ticket)[0]
+    assert err is not None and err.cause is FailureCause.PEER_UNREACHABLE and "producer rank 1 of 2" in err.detail, err
+    assert time.monotonic() - start < 5.0  # load_timeout_s is 10: rank 0's read was not waited out
+
+
 class Keeper:
     """The lease keeper stand-in: records what the scheduler asks of it."""
 
@@ -280,3 +294,37 @@ def test_a_resliced_load_aborted_under_way_still_releases_every_producer_rank() 
     assert sched.request_finished(request, []) == (False, None)   # aborted meanwhile
     sched.update_connector_output(SimpleNamespace(finished_recving={"r"}))
     assert sched._keeper.calls[-1] == ("release", "r", [("127.0.0.1", 1), ("127.0.0.1", 2)]), sched._keeper.calls
+
+
+# ------------------------------------------------------------------------------- idle engine steps
+def test_an_idle_step_waits_for_a_load_in_flight_and_returns_as_soon_as_it_lands(pools) -> None:
+    """A step that schedules nothing while a load is in flight waits for it (the engine would
+    otherwise spin its ranks on empty steps), but only until the load is in, not the whole wait."""
+    full, producers, consumers = pools(1, 1, producer_cfg={"fault_injection": [{"action": "delay", "delay_s": 0.5}]})
+    ticket = stage(producers, "t-idle", kvparams.new_token())
+    w = consumers[0]
+    assert w.take_results(wait_s=5.0) == (set(), {})  # nothing in flight: no wait
+    w.start_load_kv(TieredConnectorMetadata(recvs=[RecvSpec("r", ticket, CONSUMER_IDS, 0)]))
+    assert w.take_results() == (set(), {})             # a busy step never waits (the read is held 0.5 s)
+    start = time.monotonic()
+    done, failed = w.take_results(wait_s=8.0)
+    assert done == {"r"} and not failed and time.monotonic() - start < 6.0, (done, failed)
+    assert loaded_equals_reference(full, w, 1, 0)
+
+
+def test_only_steps_that_schedule_no_tokens_wait_and_for_idle_wait_s() -> None:
+    from kvconnectors.tiered.connector import TieredConnector
+
+    sched, _ = consumer_scheduler(1)
+    assert sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=0)).idle_step
+    assert not sched.build_connector_meta(SimpleNamespace(total_num_scheduled_tokens=3)).idle_step
+    waits = []
+    connector = object.__new__(TieredConnector)
+    connector.connector_worker = SimpleNamespace(config=TieredConfig(idle_wait_s=0.05),
+                                                 take_results=lambda wait_s: waits.append(wait_s) or (set(), {}))
+    for idle in (True, False):
+        connector._connector_metadata = TieredConnectorMetadata(idle_step=idle)
+        connector.get_transfer_results(set())
+    connector._connector_metadata = None  # no metadata bound: never wait
+    connector.get_transfer_results(set())
+    assert waits == [0.05, 0.0, 0.0]
