@@ -28,7 +28,7 @@ from kvconnectors.serving import post_json
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.hosts import Hosts
 from kvconnectors.testing.leaks import assert_pd_idle
-from kvconnectors.testing.metrics import failures_by_cause
+from kvconnectors.testing.metrics import failures_by_cause, total
 from kvconnectors.testing.prompts import token_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -149,7 +149,7 @@ def test_fail_and_retry_policies_on_a_real_link(tiny_model, hosts, secret, promp
             f = failures(pd)
             assert f.get("timeout", 0) >= 1 and sum(f.values()) == 2, f
             with pd.inside_client():
-                retried = sum(v for _, v in pd.decode[0].metrics().get("kvconnectors:transfer_retries_total", []))
+                retried = total(pd.decode[0].metrics(), "kvconnectors:transfer_retries_total")
             assert retried >= 1, "the retry policy did not retry"
             idle(pd, secret)
             # 3. the producer's host is unreachable for longer than the load deadline

@@ -22,6 +22,7 @@ from kvconnectors.testing.controls import assert_control_changed, control_length
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.leaks import assert_pd_idle
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
+from kvconnectors.testing.metrics import total
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 
@@ -64,8 +65,6 @@ def tokens(outs: list[dict]) -> list[list[int]]:
     return [list(r["choices"][0]["token_ids"]) for r in outs]
 
 
-def total(metrics: dict, name: str) -> float:
-    return sum(v for _, v in metrics.get(name, []))
 
 
 def pull_proxy(pd: PDCluster) -> ProxyThread:

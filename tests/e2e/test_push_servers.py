@@ -14,6 +14,7 @@ from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
+from kvconnectors.testing.metrics import total
 from kvconnectors.transport.client import store_status
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -76,8 +77,6 @@ def stores_empty(pd: PDCluster, timeout: float = 10.0) -> list:
         time.sleep(0.1)
 
 
-def total(metrics: dict, name: str, **labels: str) -> float:
-    return sum(v for lab, v in metrics.get(name, []) if all(lab.get(k) == x for k, x in labels.items()))
 
 
 @pytest.mark.parametrize("transport, vllm_args, spill", [

@@ -27,6 +27,7 @@ from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
+from kvconnectors.testing.metrics import by_label, total
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -142,11 +143,6 @@ def run_workload(pd: PDCluster, model_name: str, prompts: list[list[int]], **ext
         return list(pool.map(one, prompts))
 
 
-def by_label(metrics: dict, name: str, label: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for labels, v in metrics.get(name, []):
-        out[labels.get(label, "")] = out.get(labels.get(label, ""), 0) + v
-    return {k: v for k, v in out.items() if v}
 
 
 def token_ids(resp: dict) -> list[int]:
@@ -219,7 +215,6 @@ def test_pd_servers_equal_colocated(tiny_model, prompts, control_prompts, coloca
     assert not by_label(d, "kvconnectors:path_fallbacks_total", "used"), "a load fell back to another path"
     hits = [v for labels, v in d.get("vllm:prompt_tokens_cached_by_source_total", []) if labels.get("source") == "p2p"]
     assert hits and sum(hits) > 0, "decode did not attribute the loaded prompt tokens to p2p"
-    total = lambda m, name: sum(v for _, v in m.get(name, []))  # noqa: E731
     assert total(p, "kvconnectors:staged_bytes_total") > 0
     spilled = total(p, "kvconnectors:store_spills_total"), total(p, "kvconnectors:store_hits_nvme_total")
     if spill:

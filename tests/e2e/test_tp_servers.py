@@ -30,7 +30,7 @@ from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.leaks import assert_pd_idle
-from kvconnectors.testing.metrics import failures_by_cause
+from kvconnectors.testing.metrics import failures_by_cause, total
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -83,8 +83,6 @@ def ids(resp: dict) -> list[int]:
     return list(resp["choices"][0]["token_ids"])
 
 
-def total(metrics: dict, name: str) -> float:
-    return sum(v for _, v in metrics.get(name, []))
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
