@@ -571,12 +571,14 @@ class TieredConnectorWorker:
         into this rank's rows as it arrives, and load them only when every rank's slices are in: the
         first rank to fail fails the load, named, and nothing partial reaches the cache. No release
         here: a producer rank may serve several consumer ranks, so the scheduler's lease keeper
-        releases every rank once all are done. Over tcp only (shm and nixl release inside the read)."""
+        releases every rank once all are done (shm reads answer "read, keep it"). Over tcp or shm;
+        nixl goes over tcp, counted (its READs need registered destinations)."""
         layers = range(self.layout.num_layers)
-        if self.config.transport != "tcp":
+        path = self._pull_path(spec, p) if self.config.transport == "shm" else TCP_PULL
+        if self.config.transport == "nixl":
             self._record("record_path_fallback", self.config.transport, TCP_PULL.label)
         mine = self.loader.landing_buffer(len(layers) * len(targets))
-        reads = {self._rank_reads.submit(self._read_rank, spec, p, rs, rank, len(targets), deadline, fault): rank
+        reads = {self._rank_reads.submit(self._read_rank, spec, p, rs, rank, len(targets), deadline, fault, path): rank
                  for rank in rs.ranks}
         nbytes = 0
         try:
@@ -591,10 +593,10 @@ class TieredConnectorWorker:
             self.loader.release_buffer(mine)
             raise
         self._load_rows(mine, layers, targets, deadline)
-        return {TCP_PULL.label: nbytes}
+        return {path.label: nbytes}
 
     def _read_rank(self, spec: RecvSpec, p: TransferParams, rs: Reslice, rank: int, n: int, deadline: float,
-                   fault: str | None) -> tuple[np.ndarray, int]:
+                   fault: str | None, path: PullPath) -> tuple[np.ndarray, int]:
         """Producer rank `rank`'s whole rows of the transfer's `n` blocks (a rank-read thread), and
         the bytes read."""
         layers = range(self.layout.num_layers)
@@ -603,7 +605,8 @@ class TieredConnectorWorker:
             with self._producer_client(p, rank) as client:
                 nbytes = client.read(p.transfer_id, layers, spec.first_block, list(map(memoryview, theirs)),
                                      fingerprint=p.fingerprint, deadline=deadline,
-                                     verify=self.config.checksum and fault != "corrupt", path=TCP_PULL, token=p.token)
+                                     verify=self.config.checksum and fault != "corrupt", path=path, token=p.token,
+                                     release=False)
         except TransferError as exc:
             addr = f"{p.addrs[rank].host}:{p.addrs[rank].port}"
             raise TransferError(exc.cause, f"producer rank {rank} of {rs.producer_tp} ({addr}): {exc.detail}",

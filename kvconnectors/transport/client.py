@@ -185,13 +185,14 @@ class StoreClient:
     def read(self, transfer_id: str, layers: Sequence[int], first_block: int,
              dest: Sequence[memoryview] | DeviceRows,
              *, fingerprint: str, deadline: float, verify: bool = True, path: PullPath = TCP_PULL,
-             dest_addrs: np.ndarray | None = None, token: str = "") -> int:
+             dest_addrs: np.ndarray | None = None, token: str = "", release: bool = True) -> int:
         """Pull blocks [first_block, first_block + len(dest) / len(layers)) of `layers` into
         `dest` (one writable view per (layer, block), layer-major; for NixlDevicePull the rows'
         device addresses, DeviceRows) over `path`. Returns bytes
         received. `dest_addrs` (uint64, one per view) spares a nixl path taking each view's address.
         `token`: the transfer's token from its ticket. A path that does not stream answers Release
-        itself; after a streamed read the caller does."""
+        itself, or with `release=False` Ack(ok=True): read, keep the entry (another consumer rank
+        reads it too; the lease keeper releases it); after a streamed read the caller releases."""
         read = wire.Read(transfer_id=transfer_id, layers=list(layers), first_block=first_block,
                          num_blocks=len(dest) // len(layers), fingerprint=fingerprint, data_path=path.name,
                          token=token)
@@ -204,12 +205,13 @@ class StoreClient:
         def pull() -> int:
             return path.read_into(self.sock, self.address, read, reply, dest, deadline=deadline, sums=sums,
                                   dest_addrs=dest_addrs)
-        return pull() if path.streams else self._then_release(transfer_id, deadline, pull, token)
+        return pull() if path.streams else self._then_release(transfer_id, deadline, pull, token, release)
 
-    def _then_release(self, transfer_id: str, deadline: float, pull, token: str = "") -> int:
-        """shm / nixl: run `pull` (copy or READ, then verify), then Release. On failure answer
-        Ack(ok=False) instead, so the producer stops serving this read and keeps the entry (a retry
-        can still have it), and the connection stays in step."""
+    def _then_release(self, transfer_id: str, deadline: float, pull, token: str = "", release: bool = True) -> int:
+        """shm / nixl: run `pull` (copy or READ, then verify), then Release (or, `release=False`,
+        Ack(ok=True), which is not answered). On failure answer Ack(ok=False) instead, so the
+        producer stops serving this read and keeps the entry (a retry can still have it), and the
+        connection stays in step."""
         try:
             nbytes = pull()
         except TransferError as exc:
@@ -218,6 +220,9 @@ class StoreClient:
             except OSError:
                 pass
             raise
+        if not release:
+            self._send(wire.Ack(ok=True))
+            return nbytes
         self._send(wire.Release(transfer_id=transfer_id, token=token))
         self._expect(wire.Ack, deadline)
         return nbytes

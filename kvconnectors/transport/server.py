@@ -621,12 +621,15 @@ class StoreServer:
     def finish_offset_read(self, sock: socket.socket, msg: wire.Read, path: str, done: wire.Message,
                            nbytes: int) -> None:
         """The consumer's answer to a read it fetched itself from offsets: Release (done: count it,
-        release the entry), Ack(ok=False) (its fetch failed: the entry stays for a retry), or
-        anything else, out of protocol while a read is open (dispatching it here would nest pins
-        without bound): drop the connection."""
+        release the entry), Ack(ok=True) (done: count it, keep the entry, which other consumer
+        ranks read too, until the consumer's lease keeper releases it), Ack(ok=False) (its fetch
+        failed: the entry stays for a retry), or anything else, out of protocol while a read is
+        open (dispatching it here would nest pins without bound): drop the connection."""
         if isinstance(done, wire.Release):
             self.count_read(nbytes)
             self._release(sock, done)
+        elif isinstance(done, wire.Ack) and done.ok:
+            self.count_read(nbytes)
         elif isinstance(done, wire.Ack) and not done.ok:
             logger.info("consumer %s failed its %s read of %s: [%s] %s", _peer(sock), path,
                         msg.transfer_id, done.cause, done.message)

@@ -1,7 +1,8 @@
 """Prefill and decode pools of different tensor parallelism (issue 20), on live `vllm serve`
 instances: the tiny model has 2 KV heads, so a TP-2 instance holds one head per rank. A consumer
 rank pulls the heads it owns from the producer ranks that hold them and assembles its blocks
-(P TP 2 -> D TP 1), or takes its slice of the one producer rank's blocks (P TP 1 -> D TP 2).
+(P TP 2 -> D TP 1, over shm), or takes its slice of the one producer rank's blocks (P TP 1 -> D TP 2,
+over tcp).
 
 Three engine processes on two cores (a TP-2 instance is two workers) is the exception the issue
 allows. P1 -> D2 at 4 requests in flight is also the check of `idle_wait_s`: without it the TP-2
@@ -30,7 +31,7 @@ from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.leaks import assert_pd_idle
-from kvconnectors.testing.metrics import failures_by_cause, total
+from kvconnectors.testing.metrics import by_label, failures_by_cause, total
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -85,10 +86,11 @@ def ids(resp: dict) -> list[int]:
 
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
+@pytest.mark.parametrize("prefill_tp, decode_tp, transport", [(2, 1, "shm"), (1, 2, "tcp")],
+                         ids=["P2-D1-shm", "P1-D2-tcp"])
 def test_pools_of_different_tp_equal_colocated(tiny_model, prompts, control_prompts, colocated, prefill_tp,
-                                               decode_tp, tmp_path) -> None:
-    with PDCluster(tiny_model, transport="tcp", kv_extra=KV, proxy_args=FORWARD_FAULT, log_dir=tmp_path,
+                                               decode_tp, transport, tmp_path) -> None:
+    with PDCluster(tiny_model, transport=transport, kv_extra=KV, proxy_args=FORWARD_FAULT, log_dir=tmp_path,
                    prefill_tp=prefill_tp, decode_tp=decode_tp) as pd:
         assert [p.tp for p in pd.plans] == [prefill_tp, decode_tp]
         assert_same_tokens(colocated[:len(prompts)], [ids(r) for r in run(pd, prompts)],
@@ -101,6 +103,7 @@ def test_pools_of_different_tp_equal_colocated(tiny_model, prompts, control_prom
         d = pd.decode[0].metrics()
         assert total(d, "kvconnectors:transfer_failures_total") == 0
         assert total(d, "kvconnectors:transfers_total") >= len(prompts) + len(control_prompts)
+        assert set(by_label(d, "kvconnectors:transfer_bytes_total", "path")) == {transport}, "another data path"
 
         # the last producer rank killed while its read is held: typed, the rank named, nothing held
         rank = prefill_tp - 1

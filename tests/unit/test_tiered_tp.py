@@ -78,7 +78,7 @@ def stage(producers, tid: str, token: str) -> dict:
         v=kvparams.PARAMS_VERSION, transfer_id=tid, addrs=[kvparams.PeerAddress(m.host, m.port) for m in metas],
         num_tokens=len(PRODUCER_IDS) * BS, num_blocks=len(PRODUCER_IDS), block_size=BS,
         fingerprint=metas[0].fingerprint, prompt_hash="h", lease_ttl_s=30, issued_at=0, token=token,
-        tp_size=len(producers), kv_heads=metas[0].kv_heads)
+        tp_size=len(producers), kv_heads=metas[0].kv_heads, shm_path=metas[0].shm_path)
     return msgspec.to_builtins(ticket)
 
 
@@ -112,11 +112,12 @@ def pools(monkeypatch):
     """pools(P, D, producer_cfg=..., consumer_cfg=...) -> (reference, producer ranks, consumer ranks)."""
     made = []
 
-    def build(p_tp: int, d_tp: int, producer_cfg: dict | None = None):
+    def build(p_tp: int, d_tp: int, producer_cfg: dict | None = None, consumer_cfg: dict | None = None):
         full = reference()
         producers = [make_worker("p", p_tp, r, rank_caches(full, p_tp, r, 0), monkeypatch, **(producer_cfg or {}))
                      for r in range(p_tp)]
-        consumers = [make_worker("c", d_tp, r, rank_caches(None, d_tp, r, 100 + r), monkeypatch) for r in range(d_tp)]
+        consumers = [make_worker("c", d_tp, r, rank_caches(None, d_tp, r, 100 + r), monkeypatch, **(consumer_cfg or {}))
+                     for r in range(d_tp)]
         made.extend(producers + consumers)
         return full, producers, consumers
     yield build
@@ -200,6 +201,24 @@ def test_consumer_ranks_assemble_byte_exact_blocks_from_another_tp_size(pools, p
     needed = d_tp * LAYERS * len(CONSUMER_IDS) * row
     # P > D reads exactly its heads; P < D reads whole producer rows: D / P times the bytes (measured)
     assert read == needed * max(1, d_tp // p_tp), (read, needed)
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
+def test_sliced_pulls_over_shm_read_every_rank_and_leave_the_release_to_the_lease_keeper(pools, p_tp, d_tp) -> None:
+    """transport shm: each consumer rank copies its producer ranks' rows out of their arenas and
+    answers "read, keep it" (a producer rank may serve several consumer ranks: P1 -> D2), so every
+    producer entry is still there for the scheduler's lease keeper to release."""
+    shm = {"transport": "shm"}
+    full, producers, consumers = pools(p_tp, d_tp, producer_cfg=shm, consumer_cfg=shm)
+    ticket = stage(producers, "t-shm", kvparams.new_token())
+    assert all(v is None for v in load(consumers, ticket).values())
+    for r, w in enumerate(consumers):
+        assert loaded_equals_reference(full, w, d_tp, r), f"consumer rank {r}"
+        by_path = w.totals.data["bytes_by_path"]
+        assert by_path.get("shm", 0) > 0 and not by_path.get("tcp"), by_path
+    assert all(w.store.usage()["entries"] == 1 for w in producers), [w.store.usage() for w in producers]
+    assert sum(w.server.counters.bytes_sent for w in producers) == sum(
+        w.totals.data["bytes_by_path"]["shm"] for w in consumers), "a producer did not count a kept read"
 
 
 def test_a_corrupted_producer_rank_fails_the_load_naming_it_and_lands_nothing(pools) -> None:
