@@ -44,7 +44,7 @@ def test_transfer_smoke(tmp_path):
         assert s["p99_s"] >= s["median_s"] > 0
     assert on_disk["paths"]["memcpy"]["vs_memcpy"] == pytest.approx(1.0)
     pairs = {(c["ours"], c["baseline"]) for c in on_disk["comparisons"]}
-    assert {("tcp", "socket"), ("shm", "memcpy")} <= pairs
+    assert {("tcp", "socket"), ("shm", "gather")} <= pairs
     for c in on_disk["comparisons"]:
         if c["baseline"] in on_disk["paths"]:
             assert c["ratio"] > 0 and isinstance(c["met"], bool)
