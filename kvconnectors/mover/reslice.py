@@ -180,11 +180,12 @@ def copy_heads(src: Rows, src_layout: RowLayout, src_heads: HeadRange, dst: Rows
 
 def pack_heads(rows: Rows, rl: RowLayout, heads: HeadRange) -> np.ndarray:
     """The bytes of heads `heads` of each row, runs concatenated: uint8 [n, outer * count * inner]
-    (what travels when a producer sends only a consumer's slice)."""
+    (what travels when a producer sends only a consumer's slice). Always a copy, never a view of
+    `rows` (a slice that happens to be contiguous, e.g. one row, would otherwise change with it)."""
     _check_range(rl, heads, "heads")
     v = _heads_view(rows, rl, "rows")[:, :, heads.start:heads.stop]
     v = v.numpy() if isinstance(v, torch.Tensor) else v
-    return np.ascontiguousarray(v).reshape(rows.shape[0], -1)
+    return np.array(v, dtype=np.uint8, order="C", copy=True).reshape(rows.shape[0], -1)
 
 
 def unpack_heads(packed: np.ndarray, rows: Rows, rl: RowLayout, heads: HeadRange) -> None:

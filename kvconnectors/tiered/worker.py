@@ -45,7 +45,8 @@ from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.peers import PeerPolicy
-from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, TCP_PUSH, NixlDevicePull, NixlPull, NixlPush, PullPath
+from kvconnectors.transport.paths import (SHM_PULL, TCP_HEADS_PULL, TCP_PULL, TCP_PUSH, NixlDevicePull, NixlPull,
+                                         NixlPush, PullPath)
 from kvconnectors.transport.push import PushJob, PushSender, parse_target
 from kvconnectors.transport.server import StoreServer
 
@@ -176,7 +177,10 @@ class TieredConnectorWorker:
                                   staging_failure=self._staging_failed.get, faults=cfg.fault_plan,
                                   nixl=cfg.transport == "nixl" and self.is_producer, landing=self.landing,
                                   require_grants=self.is_producer and not landing,
-                                  protection=cfg.wire_protection)
+                                  protection=cfg.wire_protection,
+                                  # consumers of a larger TP size read only the heads they keep
+                                  row_layout=self._row_layout if self.is_producer and isinstance(
+                                      self._row_layout, RowLayout) else None)
         if self.is_producer:
             self.pusher = PushSender(self.store, fingerprint=self.layout.rows_fingerprint,
                                      num_layers=self.layout.num_layers, client_factory=self._client,
@@ -566,13 +570,14 @@ class TieredConnectorWorker:
 
     def _pull_resliced(self, spec: RecvSpec, p: TransferParams, rs: Reslice, targets: list[int],
                        deadline: float, fault: str | None) -> dict[str, int]:
-        """Another TP size: read every (layer, block) row of each producer rank the plan names
-        (whole rows: their checksums verify as staged), all ranks at once, copy each one's head runs
-        into this rank's rows as it arrives, and load them only when every rank's slices are in: the
-        first rank to fail fails the load, named, and nothing partial reaches the cache. No release
-        here: a producer rank may serve several consumer ranks, so the scheduler's lease keeper
-        releases every rank once all are done (shm reads answer "read, keep it"). Over tcp or shm;
-        nixl goes over tcp, counted (its READs need registered destinations)."""
+        """Another TP size: read every (layer, block) row of each producer rank the plan names, all
+        ranks at once, copy each one's head runs into this rank's rows as it arrives, and load them
+        only when every rank's slices are in: the first rank to fail fails the load, named, and
+        nothing partial reaches the cache. Over tcp a rank of which this one keeps only some heads
+        sends just those (TCP_HEADS_PULL); over shm whole rows are copied out of its arena. No
+        release here: a producer rank may serve several consumer ranks, so the scheduler's lease
+        keeper releases every rank once all are done (shm reads answer "read, keep it"). nixl goes
+        over tcp, counted (its READs need registered destinations)."""
         layers = range(self.layout.num_layers)
         path = self._pull_path(spec, p) if self.config.transport == "shm" else TCP_PULL
         if self.config.transport == "nixl":
@@ -583,10 +588,11 @@ class TieredConnectorWorker:
         nbytes = 0
         try:
             for done in as_completed(reads):
-                theirs, got = done.result()
+                theirs, row, first_head, got = done.result()
                 nbytes += got
                 for step in rs.steps_of(reads[done]):
-                    copy_heads(theirs, rs.producer_row, step.producer_heads, mine, rs.consumer_row, step.consumer_heads)
+                    copy_heads(theirs, row, step.producer_heads.shift(-first_head), mine, rs.consumer_row,
+                               step.consumer_heads)
         except BaseException:
             for read in reads:  # the others run to their end (or the deadline) on their own
                 read.cancel()
@@ -596,24 +602,41 @@ class TieredConnectorWorker:
         return {path.label: nbytes}
 
     def _read_rank(self, spec: RecvSpec, p: TransferParams, rs: Reslice, rank: int, n: int, deadline: float,
-                   fault: str | None, path: PullPath) -> tuple[np.ndarray, int]:
-        """Producer rank `rank`'s whole rows of the transfer's `n` blocks (a rank-read thread), and
-        the bytes read."""
-        layers = range(self.layout.num_layers)
-        theirs = np.empty((len(layers) * n, rs.producer_row.row_bytes), np.uint8)
+                   fault: str | None, path: PullPath) -> tuple[np.ndarray, RowLayout, int, int]:
+        """Producer rank `rank`'s rows of the transfer's `n` blocks (a rank-read thread): (rows,
+        their layout, the rank's head the rows start at, bytes read). Over tcp only the heads this
+        rank keeps when that is fewer than the producer rank holds; a producer that does not offer
+        that (a previous version) refuses in step, and its whole rows are read instead."""
+        steps = rs.steps_of(rank)
+        lo, hi = min(s.producer_heads.start for s in steps), max(s.producer_heads.stop for s in steps)
+        sliced = path is TCP_PULL and hi - lo < rs.producer_row.heads
         try:
             with self._producer_client(p, rank) as client:
-                nbytes = client.read(p.transfer_id, layers, spec.first_block, list(map(memoryview, theirs)),
-                                     fingerprint=p.fingerprint, deadline=deadline,
-                                     verify=self.config.checksum and fault != "corrupt", path=path, token=p.token,
-                                     release=False)
+                if sliced:
+                    try:
+                        row = rs.producer_row.with_heads(hi - lo)
+                        return self._read_rows(client, spec, p, n, row, deadline, fault, TCP_HEADS_PULL, (lo, hi))
+                    except TransferError as exc:
+                        if not (exc.refused and exc.cause is FailureCause.PROTOCOL):
+                            raise
+                        logger.info("producer rank %d does not send head slices (%s); reading whole rows", rank, exc)
+                return self._read_rows(client, spec, p, n, rs.producer_row, deadline, fault, path, None)
         except TransferError as exc:
             addr = f"{p.addrs[rank].host}:{p.addrs[rank].port}"
             raise TransferError(exc.cause, f"producer rank {rank} of {rs.producer_tp} ({addr}): {exc.detail}",
                                 refused=exc.refused) from None
+
+    def _read_rows(self, client: StoreClient, spec: RecvSpec, p: TransferParams, n: int, row: RowLayout,
+                   deadline: float, fault: str | None, path: PullPath,
+                   heads: tuple[int, int] | None) -> tuple[np.ndarray, RowLayout, int, int]:
+        layers = range(self.layout.num_layers)
+        theirs = np.empty((len(layers) * n, row.row_bytes), np.uint8)
+        nbytes = client.read(p.transfer_id, layers, spec.first_block, list(map(memoryview, theirs)),
+                             fingerprint=p.fingerprint, deadline=deadline, verify=self.config.checksum and fault != "corrupt",
+                             path=path, token=p.token, release=False, heads=heads)
         if fault == "corrupt":  # test hook: silently, where the data path delivered the bytes
             tamper.corrupt(theirs)
-        return theirs, nbytes
+        return theirs, row, heads[0] if heads else 0, nbytes
 
     def _pull_to_device(self, spec: RecvSpec, p: TransferParams, layers: range, targets: list[int],
                         deadline: float) -> dict[str, int]:

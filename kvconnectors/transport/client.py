@@ -185,17 +185,20 @@ class StoreClient:
     def read(self, transfer_id: str, layers: Sequence[int], first_block: int,
              dest: Sequence[memoryview] | DeviceRows,
              *, fingerprint: str, deadline: float, verify: bool = True, path: PullPath = TCP_PULL,
-             dest_addrs: np.ndarray | None = None, token: str = "", release: bool = True) -> int:
+             dest_addrs: np.ndarray | None = None, token: str = "", release: bool = True,
+             heads: Sequence[int] | None = None) -> int:
         """Pull blocks [first_block, first_block + len(dest) / len(layers)) of `layers` into
         `dest` (one writable view per (layer, block), layer-major; for NixlDevicePull the rows'
         device addresses, DeviceRows) over `path`. Returns bytes
         received. `dest_addrs` (uint64, one per view) spares a nixl path taking each view's address.
         `token`: the transfer's token from its ticket. A path that does not stream answers Release
         itself, or with `release=False` Ack(ok=True): read, keep the entry (another consumer rank
-        reads it too; the lease keeper releases it); after a streamed read the caller releases."""
+        reads it too; the lease keeper releases it); after a streamed read the caller releases.
+        `heads` (path TCP_HEADS_PULL): [start, stop) of the producer rank's KV heads; each view
+        then holds those heads of one row, packed (mover.reslice.pack_heads)."""
         read = wire.Read(transfer_id=transfer_id, layers=list(layers), first_block=first_block,
                          num_blocks=len(dest) // len(layers), fingerprint=fingerprint, data_path=path.name,
-                         token=token)
+                         token=token, heads=None if heads is None else list(heads))
         self._send(read)
         # Checksums and offsets grow with the prompt: allow ~32 bytes per (layer, block) beyond the
         # usual control-frame limit, still bounded by what this read asked for.

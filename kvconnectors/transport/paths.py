@@ -182,8 +182,8 @@ class TcpPull:
             self._send(server, sock, read, ttl, checksums, outgoing, layers)
 
     @staticmethod
-    def _send(server, sock, read, ttl, checksums, outgoing, layers) -> None:
-        slot = server.store.slot_bytes
+    def _send(server, sock, read, ttl, checksums, outgoing, layers, slot: int | None = None) -> None:
+        slot = slot or server.store.slot_bytes  # bytes per (layer, block) on the wire
         nbytes = len(read.layers) * read.num_blocks * slot
         wire.send_msg(sock, wire.ReadReply(ok=True, nbytes=nbytes, checksums=checksums, lease_ttl_s=ttl))
         sent = 0
@@ -204,6 +204,45 @@ class TcpPull:
 
     def close(self) -> None:
         pass
+
+
+class TcpHeadsPull(TcpPull):
+    """tcp, some KV heads of each row: a consumer rank of a larger TP size keeps only a slice of
+    this producer rank's heads, so only that slice travels (P TP 1 -> D TP 2: half the bytes). The
+    server reads each row, checks it against the checksum it was staged with (what the consumer
+    would have checked: corruption in the store still fails the read, as checksum_mismatch),
+    packs the heads (`mover.reslice.pack_heads`: rows of the same layout with fewer heads) and
+    streams them, with xxh3 checksums of the packed rows for the consumer to verify. Offered by a
+    producer whose rows can be sliced (`row_layout`); a server without it refuses the read in
+    step, and the consumer reads whole rows instead."""
+    name = "inline_heads"
+
+    def __init__(self, row_layout: Any):
+        self.row_layout = row_layout  # mover.reslice.RowLayout of this producer rank's rows
+
+    def serve(self, server, sock, read, nvme_slots, ttl, checksums, outgoing=None) -> None:
+        from kvconnectors.mover.heads import HeadRange  # imports torch: only producers that slice
+        from kvconnectors.mover.reslice import pack_heads
+
+        rl, n = self.row_layout, read.num_blocks
+        if read.heads is None or len(read.heads) != 2 or not 0 <= read.heads[0] < read.heads[1] <= rl.heads:
+            raise TransferError(FailureCause.PROTOCOL, f"heads {read.heads!r}: need [start, stop) within this "
+                                                       f"producer rank's {rl.heads} KV heads")
+        heads = HeadRange(*read.heads)
+        rows = np.empty((n, server.store.slot_bytes), dtype=np.uint8)
+        packed: list[np.ndarray] = []
+        sums: list[int] | None = None if checksums is None else []
+        for i, layer in enumerate(read.layers):
+            server.store.read_into(read.transfer_id, layer, read.first_block, rows)
+            if checksums is not None:
+                verify_checksums(checksums[i * n:(i + 1) * n], [memoryview(r) for r in rows], read.transfer_id,
+                                 first=i * n, of=len(checksums))
+            packed.append(pack_heads(rows, rl, heads))
+            if sums is not None:
+                sums.extend(block_checksum(memoryview(r)) for r in packed[-1])
+        # the whole read is packed before the reply: its checksums lead the bytes
+        self._send(server, sock, read, ttl, sums, outgoing, ([memoryview(p.reshape(-1))] for p in packed),
+                   slot=packed[0].shape[1])
 
 
 def _layers_from_tiers(store, read: wire.Read) -> Iterator[list[memoryview]]:
@@ -393,6 +432,7 @@ class NixlDevicePull(NixlPull):
 
 
 TCP_PULL, SHM_PULL = TcpPull(), ShmPull()
+TCP_HEADS_PULL = TcpHeadsPull(None)  # the consumer's end (a producer's server has its own, with its row layout)
 
 
 # ====================================================================== push: tcp

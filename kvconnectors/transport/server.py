@@ -48,6 +48,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvconnectors.errors import ConfigError, FailureCause, TransferError, UnknownTransferError
 from kvconnectors.logs import get_logger
@@ -58,8 +59,8 @@ from kvconnectors.transport.client import check_protection
 from kvconnectors.transport.faults import FaultPlan, FaultRule, with_fault
 from kvconnectors.transport.landing import ConnectionState, Landing
 from kvconnectors.transport.nixl import NixlSource
-from kvconnectors.transport.paths import (PULL_UNOFFERED, SHM_PULL, TCP_PULL, NixlPull, PullPath, offered,
-                                         trailing_bytes)
+from kvconnectors.transport.paths import (PULL_UNOFFERED, SHM_PULL, TCP_PULL, NixlPull, PullPath, TcpHeadsPull,
+                                         offered, trailing_bytes)
 
 logger = get_logger(__name__)
 MAX_RENEW = wire.MAX_RENEW  # transfer ids per Renew message
@@ -117,10 +118,11 @@ class StoreServer:
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, max_pending: int = 64,
                  max_pending_per_peer: int | None = None, max_per_peer: int = 64,
                  require_grants: bool = False, max_grants: int = MAX_GRANTS, log_interval_s: float = 10.0,
-                 protection: str = wire.HANDSHAKE, rows_fingerprint: str = ""):
+                 protection: str = wire.HANDSHAKE, rows_fingerprint: str = "", row_layout: Any = None):
         """`compat`: the hash peers must present, or one per admitted protocol version
         (wire.compat_hashes: peers of the previous version too). `paths`: the pull data paths
-        offered (default: tcp, shm when the store has an arena, nixl when `nixl`).
+        offered (default: tcp, shm when the store has an arena, nixl when `nixl`, tcp of some KV
+        heads per row when `row_layout`, a mover.reslice.RowLayout, says how to slice the rows).
         `require_grants`: an id never granted a token is unknown (a producer's server, where every
         transfer is granted when its staging starts). `protection`: the wire_protection setting.
         `rows_fingerprint`: a Read may present it instead of `fingerprint` (a consumer holding a
@@ -159,7 +161,8 @@ class StoreServer:
             # NIXL cannot start); consumers READ from it, this server only progresses it during reads.
             paths = [TCP_PULL] + ([SHM_PULL] if store.shm_path is not None else []) + (
                 [NixlPull(source=NixlSource(store.arena_base_address, store.arena_bytes,
-                                            tag=store.config.instance_name))] if nixl else [])
+                                            tag=store.config.instance_name))] if nixl else []) + (
+                [TcpHeadsPull(row_layout)] if row_layout is not None else [])
         self.paths: dict[str, PullPath] = {p.name: p for p in paths}
         self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

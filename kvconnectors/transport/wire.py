@@ -94,6 +94,7 @@ class Read(msgspec.Struct, tag=True):
     fingerprint: str
     data_path: str = "inline"  # inline: bytes follow the reply on this socket; shm / nixl: offsets only
     token: str = ""            # v4: the transfer's token from the ticket
+    heads: list[int] | None = None  # inline_heads: [start, stop) of the producer rank's own KV heads
 
 
 class ReadReply(msgspec.Struct, tag=True):

@@ -260,6 +260,9 @@ def test_head_runs_strided_for_head_major_gathered_for_nhd(layout, splits, runs,
     rows = rows_of(full, g, IDS)
     by_runs = np.stack([np.concatenate([r[o:o + length] for o in offsets]) for r in rows])
     assert np.array_equal(pack_heads(rows, rl, HeadRange(1, 3)), by_runs)
+    one = pack_heads(rows[:1], rl, HeadRange(1, 3))  # one row of a head-major layout: a contiguous slice
+    rows[:1] ^= 0xFF
+    assert np.array_equal(one, by_runs[:1]), "pack_heads returned a view: it changed with the rows"
     want = rows_of(rank_cache(full, layout, [1, 2]), describe(rank_cache(full, layout, [1, 2]), layout,
                                                                splits=splits), IDS)
     assert np.array_equal(by_runs, want)  # the runs, concatenated, are the 2-head rank's rows

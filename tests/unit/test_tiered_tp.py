@@ -66,9 +66,9 @@ def make_worker(role: str, tp: int, rank: int, caches: dict[str, torch.Tensor], 
     return w
 
 
-def stage(producers, tid: str, token: str) -> dict:
-    """Every producer rank stages the prompt; returns the ticket the scheduler would hand out."""
-    meta = TieredConnectorMetadata(saves=[SaveSpec("r", tid, PRODUCER_IDS, 0, len(PRODUCER_IDS), True, token=token)])
+def stage(producers, tid: str, token: str, ids: list[int] = PRODUCER_IDS) -> dict:
+    """Every producer rank stages the prompt in blocks `ids`; returns the ticket the scheduler would hand out."""
+    meta = TieredConnectorMetadata(saves=[SaveSpec("r", tid, ids, 0, len(ids), True, token=token)])
     for w in producers:
         for name in w._layer_index:
             w.save_kv_layer(meta, name)
@@ -76,16 +76,16 @@ def stage(producers, tid: str, token: str) -> dict:
     metas = [w.get_handshake_metadata() for w in producers]
     ticket = kvparams.TransferParams(
         v=kvparams.PARAMS_VERSION, transfer_id=tid, addrs=[kvparams.PeerAddress(m.host, m.port) for m in metas],
-        num_tokens=len(PRODUCER_IDS) * BS, num_blocks=len(PRODUCER_IDS), block_size=BS,
+        num_tokens=len(ids) * BS, num_blocks=len(ids), block_size=BS,
         fingerprint=metas[0].fingerprint, prompt_hash="h", lease_ttl_s=30, issued_at=0, token=token,
         tp_size=len(producers), kv_heads=metas[0].kv_heads, shm_path=metas[0].shm_path)
     return msgspec.to_builtins(ticket)
 
 
-def load(consumers, ticket: dict) -> dict[int, TransferError | None]:
-    """Every consumer rank loads the ticket; its outcome per rank."""
+def load(consumers, ticket: dict, ids: list[int] = CONSUMER_IDS) -> dict[int, TransferError | None]:
+    """Every consumer rank loads the ticket into blocks `ids`; its outcome per rank."""
     for w in consumers:
-        w.start_load_kv(TieredConnectorMetadata(recvs=[RecvSpec("r", ticket, CONSUMER_IDS, 0)]))
+        w.start_load_kv(TieredConnectorMetadata(recvs=[RecvSpec("r", ticket, ids, 0)]))
     out: dict[int, TransferError | None] = {}
     deadline = time.monotonic() + 20
     while len(out) < len(consumers) and time.monotonic() < deadline:
@@ -100,10 +100,12 @@ def load(consumers, ticket: dict) -> dict[int, TransferError | None]:
     return out
 
 
-def loaded_equals_reference(full, consumer, tp: int, rank: int) -> bool:
+def loaded_equals_reference(full, consumer, tp: int, rank: int, ids: tuple[list[int], list[int]] = (
+        PRODUCER_IDS, CONSUMER_IDS)) -> bool:
     hr = head_map(HEADS, tp)[rank]
-    return all(torch.equal(consumer.geometry.views[i][CONSUMER_IDS].contiguous().view(torch.uint8),
-                           full[name][PRODUCER_IDS][:, hr.start:hr.stop].contiguous().view(torch.uint8))
+    theirs, mine = ids
+    return all(torch.equal(consumer.geometry.views[i][mine].contiguous().view(torch.uint8),
+                           full[name][theirs][:, hr.start:hr.stop].contiguous().view(torch.uint8))
                for i, name in enumerate(full))
 
 
@@ -190,17 +192,47 @@ def test_an_unsliceable_layout_is_refused_naming_tp_heads_layout_and_dtype() -> 
 
 # ------------------------------------------------------------------------------- worker, end to end
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
-def test_consumer_ranks_assemble_byte_exact_blocks_from_another_tp_size(pools, p_tp, d_tp) -> None:
+@pytest.mark.parametrize("ids", [(PRODUCER_IDS, CONSUMER_IDS), ([4], [3])], ids=["3-blocks", "1-block"])
+def test_consumer_ranks_assemble_byte_exact_blocks_from_another_tp_size(pools, p_tp, d_tp, ids) -> None:
     full, producers, consumers = pools(p_tp, d_tp)
-    ticket = stage(producers, "t-ok", kvparams.new_token())
-    assert all(v is None for v in load(consumers, ticket).values())
+    ticket = stage(producers, "t-ok", kvparams.new_token(), ids[0])
+    assert all(v is None for v in load(consumers, ticket, ids[1]).values())
     for r, w in enumerate(consumers):
-        assert loaded_equals_reference(full, w, d_tp, r), f"consumer rank {r}"
+        assert loaded_equals_reference(full, w, d_tp, r, ids), f"consumer rank {r}"
     row = consumers[0].geometry.block_bytes
     read = sum(w.totals.data["bytes_by_path"].get("tcp", 0) for w in consumers)
-    needed = d_tp * LAYERS * len(CONSUMER_IDS) * row
-    # P > D reads exactly its heads; P < D reads whole producer rows: D / P times the bytes (measured)
-    assert read == needed * max(1, d_tp // p_tp), (read, needed)
+    needed = d_tp * LAYERS * len(ids[1]) * row
+    # both ways exactly the heads each consumer rank keeps travel (P < D: packed by the producer)
+    assert read == needed == sum(w.server.counters.bytes_sent for w in producers), (read, needed)
+
+
+def test_a_producer_that_sends_no_head_slices_is_read_whole_and_the_result_is_the_same(pools) -> None:
+    """A producer of the previous version offers no inline_heads path: it refuses the sliced read
+    in step and the consumer rank reads its whole rows instead (D / P times the bytes)."""
+    full, producers, consumers = pools(1, 2)
+    del producers[0].server.paths["inline_heads"]
+    ticket = stage(producers, "t-old", kvparams.new_token())
+    assert all(v is None for v in load(consumers, ticket).values())
+    for r, w in enumerate(consumers):
+        assert loaded_equals_reference(full, w, 2, r), f"consumer rank {r}"
+    read = sum(w.totals.data["bytes_by_path"]["tcp"] for w in consumers)
+    assert read == 2 * 2 * LAYERS * len(CONSUMER_IDS) * consumers[0].geometry.block_bytes
+
+
+@pytest.mark.parametrize("where", ["wire", "store"])
+def test_a_corrupted_head_slice_fails_the_load_as_a_checksum_mismatch(pools, where) -> None:
+    """P1 -> D2, sliced reads: bytes flipped on the wire fail the consumer's check of the packed
+    rows; bytes flipped in the producer's store fail the producer's check against the staged
+    checksums before anything is sent (a packed row's fresh checksum would not catch them)."""
+    cfg = {"fault_injection": [{"action": "corrupt", "on": "read"}]} if where == "wire" else None
+    full, producers, consumers = pools(1, 2, producer_cfg=cfg)
+    ticket = stage(producers, "t-flip", kvparams.new_token())
+    if where == "store":
+        producers[0].store.arena_slots()[:, 0] ^= 0xFF  # every slot's first byte: the entry's rows too
+    errors = load(consumers, ticket)
+    assert all(e is not None and e.cause is FailureCause.CHECKSUM_MISMATCH and "producer rank 0 of 1" in e.detail
+               for e in errors.values()), errors
+    assert not any(loaded_equals_reference(full, w, 2, r) for r, w in enumerate(consumers))
 
 
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
