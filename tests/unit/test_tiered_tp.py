@@ -379,3 +379,22 @@ def test_only_steps_that_schedule_no_tokens_wait_and_for_idle_wait_s() -> None:
     connector._connector_metadata = None  # no metadata bound: never wait
     connector.get_transfer_results(set())
     assert waits == [0.05, 0.0, 0.0]
+
+
+# ------------------------------------------------------------------------------- replicated KV heads
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2), (2, 4)])
+def test_replicated_heads_are_read_once_from_one_replica_each(pools, monkeypatch, p_tp, d_tp) -> None:
+    """One KV head (GQA with fewer heads than ranks): vLLM replicates it on every rank. A consumer
+    rank reads it from one producer replica, never from several (no duplicate traffic), and the
+    consumer ranks spread over the replicas."""
+    monkeypatch.setitem(globals(), "HEADS", 1)
+    full, producers, consumers = pools(p_tp, d_tp)
+    ticket = stage(producers, "t-rep", kvparams.new_token())
+    assert all(v is None for v in load(consumers, ticket).values())
+    for r, w in enumerate(consumers):
+        assert loaded_equals_reference(full, w, d_tp, r), f"consumer rank {r}"
+    rows = LAYERS * len(CONSUMER_IDS) * consumers[0].geometry.block_bytes
+    read = [w.totals.data["bytes_by_path"]["tcp"] for w in consumers]
+    assert read == [rows] * d_tp, read  # each consumer rank: its one head's rows, once
+    served = [w.server.counters.bytes_sent for w in producers]
+    assert sum(served) == d_tp * rows and sum(1 for b in served if b) == min(p_tp, d_tp), served
