@@ -398,3 +398,20 @@ def test_replicated_heads_are_read_once_from_one_replica_each(pools, monkeypatch
     assert read == [rows] * d_tp, read  # each consumer rank: its one head's rows, once
     served = [w.server.counters.bytes_sent for w in producers]
     assert sum(served) == d_tp * rows and sum(1 for b in served if b) == min(p_tp, d_tp), served
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2), (2, 4)])
+def test_an_mla_latent_is_served_by_producer_rank_0_to_every_consumer_rank(pools, monkeypatch, p_tp, d_tp) -> None:
+    """MLA: one latent per layer, the same on every rank; producer rank 0 serves all consumer ranks."""
+    import kvconnectors.tiered.worker as worker
+
+    monkeypatch.setitem(globals(), "HEADS", 1)
+    monkeypatch.setattr(worker, "_attention_backend", lambda vllm_config: "FLASHMLA")
+    full, producers, consumers = pools(p_tp, d_tp)
+    assert all(w.geometry.mla for w in producers + consumers)
+    ticket = stage(producers, "t-mla", kvparams.new_token())
+    assert all(v is None for v in load(consumers, ticket).values())
+    for r, w in enumerate(consumers):
+        assert loaded_equals_reference(full, w, d_tp, r), f"consumer rank {r}"
+    rows = LAYERS * len(CONSUMER_IDS) * consumers[0].geometry.block_bytes
+    assert [w.server.counters.bytes_sent for w in producers] == [d_tp * rows] + [0] * (p_tp - 1)
