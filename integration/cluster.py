@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvconnectors.integration import launcher
 from kvconnectors.integration import proxy as proxy_mod
 from kvconnectors.serving import VllmServer, free_port, stop_all
+from kvconnectors.store.arena import reap_stale_arenas
 
 if TYPE_CHECKING:
     from kvconnectors.testing.hosts import Hosts
@@ -132,6 +133,7 @@ class PDCluster:
             self._proxy.stop()
             self._proxy = None
         stop_all(self.servers)
+        reap_stale_arenas()  # shm arenas of workers that were killed (tests kill ranks on purpose)
 
     def __enter__(self) -> "PDCluster":
         return self.start()

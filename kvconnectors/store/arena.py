@@ -15,15 +15,19 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 
 import numpy as np
 
 from kvconnectors.errors import ConfigError
+from kvconnectors.logs import get_logger
 from kvconnectors.store.buffers import address, paired_runs, private_mapping
 from kvconnectors.store.freelist import FreeList
 from kvconnectors.store.sizes import format_size
 
 SHM_DIR = "/dev/shm"
+ARENA_NAME = re.compile(r"^kvc_[A-Za-z0-9_.-]*_(\d+)$")  # the worker's shm_name: kvc_<instance>_<rank>_<pid>
+logger = get_logger(__name__)
 
 
 class DramArena:
@@ -37,6 +41,7 @@ class DramArena:
             # No MAP_POPULATE here: huge pages must be asked for before the memory is faulted in.
             self._mm = private_mapping(self.nbytes)
         else:
+            reap_stale_arenas()  # a killed store's arena would hold its DRAM until reboot
             self.shm_path = os.path.join(SHM_DIR, shm_name)
             self._fd = _open_owned_shm(self.shm_path, self.nbytes)
             flags = getattr(mmap, "MAP_POPULATE", 0) if prefault else 0
@@ -96,6 +101,49 @@ class DramArena:
                 pass
             os.close(self._fd)  # drops the flock
             self._fd = None
+
+
+def reap_stale_arenas(directory: str = SHM_DIR) -> list[str]:
+    """Remove the arenas of stores that died without closing them (SIGKILL, the OOM killer): a
+    /dev/shm file is RAM, held until someone unlinks it. Stale means both: the pid in its name
+    is gone, and nobody holds its lock (a live store keeps an exclusive flock on its arena for
+    its life, so a store in another pid namespace is never touched). Returns the names removed."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = ARENA_NAME.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            removed.append(name)
+        except (BlockingIOError, FileNotFoundError):
+            pass  # a live store holds it, or another reaper was first
+        finally:
+            os.close(fd)
+    if removed:
+        logger.warning("removed %d arena(s) of stores that died without closing them: %s", len(removed),
+                       ", ".join(removed[:4]) + (" ..." if len(removed) > 4 else ""))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's, alive
+    return True
 
 
 def _open_owned_shm(path: str, nbytes: int) -> int:

@@ -27,6 +27,7 @@ import pytest
 
 from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import complete, process_tree
+from kvconnectors.store.arena import ARENA_NAME, SHM_DIR
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
@@ -80,6 +81,10 @@ def kill_rank(server, rank: int, tp: int) -> None:
     os.kill(workers[0].pid, signal.SIGKILL)
 
 
+def shm_arenas() -> list[str]:
+    return [n for n in os.listdir(SHM_DIR) if ARENA_NAME.match(n)]
+
+
 def ids(resp: dict) -> list[int]:
     return list(resp["choices"][0]["token_ids"])
 
@@ -90,6 +95,7 @@ def ids(resp: dict) -> list[int]:
                          ids=["P2-D1-shm", "P1-D2-tcp"])
 def test_pools_of_different_tp_equal_colocated(tiny_model, prompts, control_prompts, colocated, prefill_tp,
                                                decode_tp, transport, tmp_path) -> None:
+    arenas = set(shm_arenas())
     with PDCluster(tiny_model, transport=transport, kv_extra=KV, proxy_args=FORWARD_FAULT, log_dir=tmp_path,
                    prefill_tp=prefill_tp, decode_tp=decode_tp) as pd:
         assert [p.tp for p in pd.plans] == [prefill_tp, decode_tp]
@@ -120,3 +126,5 @@ def test_pools_of_different_tp_equal_colocated(tiny_model, prompts, control_prom
         assert set(causes) == {"peer_unreachable"} and 1 <= causes["peer_unreachable"] <= decode_tp, causes
         served = complete(pd.decode[0].url, prompts[1], model=pd.decode[0].served_model_name, max_tokens=MAX_TOKENS)
         assert ids(served) == colocated[1], "the decode instance must keep serving"
+    # the killed rank could not remove its shm arena (1 GiB of RAM): the cluster's stop reaps it
+    assert set(shm_arenas()) <= arenas, set(shm_arenas()) - arenas
