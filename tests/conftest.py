@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 _RPC_DIR = tempfile.mkdtemp(prefix="kvc-tests-rpc-")
 os.environ["VLLM_RPC_BASE_PATH"] = _RPC_DIR
 atexit.register(shutil.rmtree, _RPC_DIR, ignore_errors=True)
+
+
+_SESSION_START = time.time()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_orphaned_shm_segments():
+    """After each module: the shared-memory segments its killed engines left (kvconnectors/testing/shm.py)."""
+    yield
+    from kvconnectors.testing.shm import remove_orphaned_segments
+
+    remove_orphaned_segments(_SESSION_START)
 
 
 @pytest.fixture(scope="module")
