@@ -14,7 +14,8 @@ import os
 import re
 from pathlib import Path
 
-SHM_DIR = "/dev/shm"
+from kvconnectors.store.arena import SHM_DIR
+
 VLLM_SEGMENT = re.compile(r"^(psm_[0-9a-f]+|vllm_dist_.+|sem\.mp-.+)$")
 
 
