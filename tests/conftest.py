@@ -65,6 +65,21 @@ def _no_orphaned_shm_segments():
     remove_orphaned_segments(_SESSION_START)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _suite_probe(request: pytest.FixtureRequest):
+    """KVC_SUITE_PROBE=FILE: one JSON line per module (wall seconds, load, memory, the CPU seconds of
+    the busiest processes outside this one), to see why engine modules run slower in the full suite."""
+    path = os.environ.get("KVC_SUITE_PROBE")
+    if not path:
+        yield
+        return
+    from kvconnectors.testing.probe import ModuleProbe
+
+    probe = ModuleProbe(request.module.__name__)
+    yield
+    probe.write(path)
+
+
 @pytest.fixture(scope="module")
 def hosts():
     """Three emulated hosts (kvconnectors/testing/hosts.py), one set per module: `pre` (prefill),
