@@ -336,7 +336,7 @@ class Rig:
             self.senders[name] = s
         return self.senders[name]
 
-    def _on_done(self, tid: str, err: Any) -> None:
+    def _on_done(self, tid: str, target: Any, err: Any) -> None:
         """Push sender thread: as worker.py's _push_done, the producer lets go once the push landed."""
         self.errors[tid] = err
         if err is None:

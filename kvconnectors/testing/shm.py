@@ -3,8 +3,9 @@
 vLLM's message queues (`psm_*`, Python's SharedMemory), its CPU tensor-parallel buffers
 (`vllm_dist_*`) and multiprocessing semaphores (`sem.mp-*`) are RAM until someone unlinks them; a
 SIGKILLed engine never does (a full test run left ~3 GiB). A segment is an orphan when no live
-process maps it or holds it open: whoever still uses one maps it (SharedMemory keeps its fd open
-too), so nothing in use is ever removed. Only segments made since `since` are considered: what a
+process maps it or holds it open (compared by inode: a semaphore is mapped under another name
+than the one it ends up with): whoever still uses one maps it (SharedMemory keeps its fd open
+too), so nothing in use is ever removed, not even another test session's or server's. Only segments made since `since` are considered: what a
 test session made, not what other programs on the host may own.
 """
 
@@ -19,19 +20,26 @@ from kvconnectors.store.arena import SHM_DIR
 VLLM_SEGMENT = re.compile(r"^(psm_[0-9a-f]+|vllm_dist_.+|sem\.mp-.+)$")
 
 
-def referenced_paths() -> set[str]:
-    """Every file some live process maps or holds open (what /proc shows to this user)."""
-    seen: set[str] = set()
+FileId = tuple[int, int]  # (st_dev, st_ino): a file whatever name it has now
+
+
+def referenced_files() -> set[FileId]:
+    """Every file some live process maps or holds open (what /proc shows to this user), by device
+    and inode, not by name: glibc's sem_open maps a semaphore under a temporary name and then links
+    it to its real one (`sem.mp-*`), so /proc/<pid>/maps names a file that is gone by then."""
+    seen: set[FileId] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
                 for line in maps:
                     parts = line.split(maxsplit=5)
-                    if len(parts) == 6:
-                        seen.add(parts[5].rstrip("\n").removesuffix(" (deleted)"))
+                    if len(parts) == 6 and parts[4] != "0":
+                        major, minor = (int(x, 16) for x in parts[3].split(":"))
+                        seen.add((os.makedev(major, minor), int(parts[4])))
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
-                    seen.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")  # follows the link to the open file itself
+                    seen.add((st.st_dev, st.st_ino))
                 except OSError:
                     pass
         except OSError:
@@ -49,10 +57,14 @@ def remove_orphaned_segments(since: float, directory: str = SHM_DIR) -> list[str
         return []
     if not candidates:
         return []
-    used = referenced_paths()
+    used = referenced_files()
     removed = []
     for path in candidates:
-        if str(path) not in used:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) not in used:
             try:
                 path.unlink()
                 removed.append(path.name)

@@ -17,12 +17,13 @@ beside the physical layout, dtype, block shape and model.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import xxhash
 
 from kvconnectors.mover.geometry import BlockGeometry, describe_kv_caches
+from kvconnectors.mover.heads import head_map
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,17 @@ class KVLayout:
     def rows_fingerprint(self) -> str:
         # tp_rank is left out on purpose: rank i of the consumer talks to rank i of the producer.
         return xxhash.xxh3_64_hexdigest(json.dumps(self.describe(), sort_keys=True).encode())
+
+    def for_rank(self, tp_size: int, tp_rank: int) -> KVLayout:
+        """The layout rank `tp_rank` of a pool at TP `tp_size` has for this same model: its share of
+        the KV heads (vLLM's split), named as `layout_of` names it. A producer pushing rows sliced
+        for another TP size presents that rank's `rows_fingerprint`, which its landing store checks."""
+        heads = head_map(self.kv_heads, tp_size)[tp_rank].count
+        local = self.block_shape[0]
+        physical = self.physical_layout or self.cache_layout
+        return replace(self, block_shape=(heads, *self.block_shape[1:]), block_bytes=self.block_bytes // local * heads,
+                       cache_layout=_SAME_WITH_ONE_HEAD.get(physical, physical) if heads == 1 else physical,
+                       tp_size=tp_size, tp_rank=tp_rank)
 
 
 # With one head (MLA) the H and N axes cannot be told apart in memory: these pairs hold the same bytes.

@@ -107,8 +107,10 @@ class TieredConnectorScheduler:
         addrs = [(a.host, a.port) for a in tp.addrs]  # every tensor-parallel rank holds a shard
         self._waiting_remote[request.request_id] = (addrs, tp.transfer_id, tp.token)
         if tp.v >= 4 and tp.tp_size != self._tp_size:
-            self._resliced[request.request_id] = (addrs, tp.transfer_id, tp.token)  # pulled: pushed rows don't fit
-        elif tp.push_target and self.config.transfer_mode == "push":
+            # another TP size: each rank reads its heads from some producer ranks (or they were pushed
+            # here, tiered/push_routes.py); every producer rank is released once the load is over
+            self._resliced[request.request_id] = (addrs, tp.transfer_id, tp.token)
+        if tp.push_target and self.config.transfer_mode == "push":
             # Pushed here: the copy that matters is in our own landing stores, under their own lease,
             # which must outlive the request's time in our queue. The producer's staged copy is
             # renewed too: it is what a refused or broken push falls back to. Either may be absent

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.mover.geometry import UnsupportedKVCache
-from kvconnectors.mover.heads import HeadSplitError, SliceStep, head_map, slice_plan
+from kvconnectors.mover.heads import HeadRange, HeadSplitError, SliceStep, head_map, slice_plan
 from kvconnectors.mover.reslice import RowLayout
 from kvconnectors.tiered.layout import KVLayout
 from kvconnectors.tiered.params import TransferParams
@@ -35,6 +35,11 @@ class Reslice:
 
     def steps_of(self, rank: int) -> tuple[SliceStep, ...]:
         return tuple(s for s in self.steps if s.producer_rank == rank)
+
+    @property
+    def one_source(self) -> bool:
+        """One producer rank holds all of this rank's heads: in push mode it pushes them here."""
+        return len(self.steps) == 1 and self.steps[0].consumer_heads == HeadRange(0, self.consumer_row.heads)
 
 
 def producer_side(p: TransferParams) -> str:

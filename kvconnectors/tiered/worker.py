@@ -47,6 +47,7 @@ from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.peers import PeerPolicy
 from kvconnectors.transport.paths import (SHM_PULL, TCP_HEADS_PULL, TCP_PULL, TCP_PUSH, NixlDevicePull, NixlPull,
                                          NixlPush, PullPath)
+from kvconnectors.tiered.push_routes import Addr, ConsumerSizes, NotPushable, PushRoute, push_routes
 from kvconnectors.transport.push import PushJob, PushSender, parse_target
 from kvconnectors.transport.server import StoreServer
 
@@ -102,7 +103,11 @@ class TieredConnectorWorker:
         self._staging: list = []                     # this step's copy futures
         self._push_layers: dict[str, list[int]] = {}  # transfer -> staged layers not yet pushed
         self._layers_this_step: dict[str, set[int]] = {}  # transfer -> layers staged in this step
-        self._push_targets: dict[str, tuple[str, int]] = {}
+        self._push_targets: dict[str, list[PushRoute]] = {}  # transfer -> where its groups go (until sealed)
+        self._push_open: dict[str, dict[Addr, PushRoute]] = {}  # transfer -> routes not finished yet
+        self._push_kept: set[str] = set()  # a route was refused: its consumer rank pulls the staged copy
+        self._consumer_sizes = ConsumerSizes(self._ask_tp_size, self.tp_size)
+        self._said_not_pushable: set[Addr] = set()
         self._stage_lock = threading.RLock()
         self.pusher: PushSender | None = None
         self.landing: Landing | None = None
@@ -180,12 +185,14 @@ class TieredConnectorWorker:
                                   protection=cfg.wire_protection,
                                   # consumers of a larger TP size read only the heads they keep
                                   row_layout=self._row_layout if self.is_producer and isinstance(
-                                      self._row_layout, RowLayout) else None)
+                                      self._row_layout, RowLayout) else None,
+                                  tp_size=self.layout.tp_size)  # a producer of another TP size plans by it
         if self.is_producer:
             self.pusher = PushSender(self.store, fingerprint=self.layout.rows_fingerprint,
                                      num_layers=self.layout.num_layers, client_factory=self._client,
                                      timeout_s=cfg.load_timeout_s, on_done=self._push_done,
-                                     path=NixlPush(source=self.server.nixl) if self.server.nixl else TCP_PUSH)
+                                     path=NixlPush(source=self.server.nixl) if self.server.nixl else TCP_PUSH,
+                                     row_layout=self._row_layout if isinstance(self._row_layout, RowLayout) else None)
         logger.info("TieredConnector store: %s DRAM, serving %s:%d (%s%s), block %d B x %d layers "
                     "(%s %s %s on %s)", cfg.dram_bytes, cfg.bind_host, self.server.port, cfg.transport,
                     ", accepts pushes" if landing else "", self.layout.block_bytes, self.layout.num_layers,
@@ -292,21 +299,39 @@ class TieredConnectorWorker:
         elif pending is not None and spec.layerwise and len(pending) >= self.config.layer_group_size:
             self._push_group(spec)
 
-    def _rank_target(self, target: str) -> tuple[str, int]:
-        """This rank's landing store for a request's push_target: (checked IP address, port + rank).
-        A target outside allowed_peers is a typed BAD_PARAMS error naming the field and value."""
-        host, port = parse_target(target)
-        port += self.layout.tp_rank  # rank r of the consumer listens on port + r
-        return self._peers.check(host, port, "kv_transfer_params.push_target"), port
+    def _ask_tp_size(self, host: str, port: int) -> int:
+        """The TP size of the decode instance whose rank 0 lands on host:port (0: it does not say)."""
+        with self._client(host, port) as client:
+            return client.status(time.monotonic() + self.config.connect_timeout_s).tp_size
 
     def _set_push_target(self, tid: str, target: str) -> None:
-        """Push `tid` to `target`, unless it is not allowed: then it is staged for a pull only."""
+        """Push `tid` to the consumer ranks behind `target` (its rank 0's landing store; rank r
+        listens on port + r) that this rank serves (push_routes.py), unless the target is not
+        allowed (a typed BAD_PARAMS error naming the field and value), cannot be asked, or the TP
+        sizes are served by pulls: then it is staged for a pull only."""
         try:
-            self._push_targets[tid] = self._rank_target(target)
+            host, port = parse_target(target)
+            host = self._peers.check(host, port, "kv_transfer_params.push_target")
+            routes = push_routes(self.layout, self._row_layout, host, port, self._consumer_sizes.tp_size(host, port))
+        except NotPushable as exc:
+            if (host, port) not in self._said_not_pushable:
+                self._said_not_pushable.add((host, port))
+                logger.info("not pushing to %s:%d: %s", host, port, exc)
+            return
         except (TransferError, ValueError) as exc:
             cause = exc.cause.value if isinstance(exc, TransferError) else FailureCause.BAD_PARAMS.value
             logger.warning("not pushing transfer %s: %s; it is staged for a pull", tid, exc)
             self._record("record_failure", f"push_{cause}")
+            return
+        if routes:  # else no consumer rank reads this rank's rows (replicated heads, MLA)
+            self._push_targets[tid] = routes
+            self._push_open[tid] = {r.target: r for r in routes}
+
+    def _submit_push(self, tid: str, **job: object) -> None:
+        """One PushJob per route of `tid`."""
+        assert self.pusher is not None
+        for route in self._push_targets.get(tid, ()):
+            self.pusher.submit(PushJob(tid, route.target, heads=route.heads, fingerprint=route.fingerprint, **job))
 
     def _push_group(self, spec: SaveSpec, end: bool = False) -> None:
         """Hand the staged, not yet pushed layers of `spec` to the push sender; `end`: the
@@ -315,14 +340,14 @@ class TieredConnectorWorker:
         if self.pusher is None or not (layers or end):
             return
         if not layers:
-            self.pusher.submit(PushJob(spec.transfer_id, self._push_targets[spec.transfer_id], end=True))
+            self._submit_push(spec.transfer_id, end=True)
             return
         n = len(spec.block_ids)
         sums = self._checksums[spec.transfer_id]
         checksums = (np.concatenate([sums[layer, spec.first_block:spec.first_block + n] for layer in layers])
                      .tolist() if self.config.checksum else None)
-        self.pusher.submit(PushJob(spec.transfer_id, self._push_targets[spec.transfer_id], layers,
-                                   spec.first_block, n, checksums, end=end))
+        self._submit_push(spec.transfer_id, layers=layers, first_block=spec.first_block, num_blocks=n,
+                          checksums=checksums, end=end)
 
     def wait_for_save(self, meta: TieredConnectorMetadata) -> None:
         if self.store is None:
@@ -385,22 +410,46 @@ class TieredConnectorWorker:
         self._checksums.pop(tid, None)
         return True
 
-    def _push_done(self, tid: str, error: TransferError | None) -> None:
-        """Push sender thread: a transfer finished pushing (error None) or its push failed."""
-        if error is None:
-            try:  # the consumer holds it now, under its own lease
-                info = self.store.info(tid)
-                self._record("record_push", info.num_layers * info.num_blocks * self.store.slot_bytes)
-                self.store.release(tid)
-            except TransferError:
-                pass
-            return
-        self._record("record_failure", f"push_{error.cause.value}")
-        # Broke on the wire: no consumer will pull the staged copy. Refused in step (store full, bad
-        # checksum, gave up waiting, ...) or never connected: it keeps it, the consumer pulls instead.
-        if error.cause.push_lost and not error.refused:
-            with self._stage_lock:
-                self._fail_staging(tid, TransferError(error.cause, f"push to the decode instance failed: {error}"))
+    def _push_done(self, tid: str, target: Addr, error: TransferError | None) -> None:
+        """Push sender thread: the push of a transfer to one consumer rank (`target`) finished
+        (error None) or failed. The staged copy goes once every route landed."""
+        if error is not None:
+            self._record("record_failure", f"push_{error.cause.value}")
+            # Broke on the wire: no consumer will pull the staged copy. Refused in step (store full, bad
+            # checksum, gave up waiting, ...) or never connected: it keeps it, the consumer pulls instead.
+            if error.cause.push_lost and not error.refused:
+                with self._stage_lock:
+                    self._fail_staging(tid, TransferError(error.cause, f"push to the decode instance failed: {error}"))
+                return
+        with self._stage_lock:
+            routes = self._push_open.get(tid)
+            route = routes.pop(target, None) if routes is not None else None
+            if route is None:
+                return  # failed meanwhile (_fail_staging), or dropped
+            if error is not None:
+                self._push_kept.add(tid)
+            if error is None:
+                info = self.store.info(tid) if self.store.contains(tid) else None
+                if info is not None:
+                    row = self.store.slot_bytes if route.heads is None else (
+                        self._row_layout.with_heads(route.heads.count).row_bytes)
+                    self._record("record_push", info.num_layers * info.num_blocks * row)
+            if routes:
+                return  # other consumer ranks still to land
+            del self._push_open[tid]
+            if tid in self._push_kept:
+                self._push_kept.discard(tid)
+                return  # a consumer rank was refused and pulls it: its lease keeper (or expiry) ends it
+        try:  # every consumer rank holds it now, under its own lease
+            self.store.release(tid)
+        except TransferError:
+            pass
+
+    def _forget_push(self, tid: str) -> None:
+        """(stage lock held) No more pushes of `tid`, and no route's end matters any more."""
+        self._push_targets.pop(tid, None)
+        self._push_open.pop(tid, None)
+        self._push_kept.discard(tid)
 
     def _fail_staging(self, tid: str, exc: TransferError) -> None:
         logger.error("staging of transfer %s failed: %s", tid, exc)
@@ -410,9 +459,9 @@ class TieredConnectorWorker:
             self._staging_failed.pop(next(iter(self._staging_failed)))
         self._staging_failed[tid] = exc
         self._push_layers.pop(tid, None)
-        target = self._push_targets.pop(tid, None)
-        if target is not None and self.pusher is not None:  # tell the consumer now, not at its deadline
-            self.pusher.submit(PushJob(tid, target, abort=exc))
+        if tid in self._push_targets and self.pusher is not None:  # tell the consumer now, not at its deadline
+            self._submit_push(tid, abort=exc)
+        self._forget_push(tid)
         if self.store is not None and not isinstance(exc, StoreFullError):
             try:
                 self.store.release(tid)
@@ -427,10 +476,11 @@ class TieredConnectorWorker:
                 self.server.revoke(tid)
             self._checksums.pop(tid, None)
             self._push_layers.pop(tid, None)
-            target = self._push_targets.pop(tid, None)
-            if target is not None and self.pusher is not None:
-                self.pusher.submit(PushJob(tid, target, abort=TransferError(
-                    FailureCause.UNKNOWN_TRANSFER, "the request was aborted on the prefill instance")))
+            if tid in self._push_targets and self.pusher is not None:
+                self._submit_push(tid, abort=TransferError(
+                    FailureCause.UNKNOWN_TRANSFER, "the request was aborted on the prefill instance"))
+            with self._stage_lock:
+                self._forget_push(tid)
             if self.landing is not None:
                 self.landing.forget(tid)
             if self.store is not None:
@@ -524,9 +574,9 @@ class TieredConnectorWorker:
                                 f"{len(spec.block_ids)} local blocks allocated for {num_blocks} remote blocks")
         targets = spec.block_ids[:num_blocks]
         fault = tamper.kind_of(p.transfer_id, self.config.test_hooks)
-        if reslice is not None:  # another TP size: pushes were refused (rows differ), pull the slices
-            return self._pull_resliced(spec, p, reslice, targets, deadline, fault)
-        if p.push_target and self.landing is not None:
+        # Pushed rows are this rank's rows: at another TP size when one producer rank holds all its
+        # heads (push_routes.py); else, or when the push did not land, pull the slices.
+        if p.push_target and self.landing is not None and (reslice is None or reslice.one_source):
             try:
                 # at most half the time left: a pull from the producer must still fit after it
                 return self._load_landed(p, spec.first_block, targets,
@@ -538,6 +588,8 @@ class TieredConnectorWorker:
                 logger.warning("pushed KV for request %s did not land (%s); pulling it from the producer",
                                spec.req_id, exc)
                 self._record("record_push_fallback", exc.cause.value)
+        if reslice is not None:
+            return self._pull_resliced(spec, p, reslice, targets, deadline, fault)
         layers = range(layout.num_layers)
         if self._nixl_device is not None and fault is None:  # a test-hook fault needs host rows to corrupt
             return self._pull_to_device(spec, p, layers, targets, deadline)

@@ -7,9 +7,14 @@ as a `PushJob` and returns; jobs of one transfer go out in order on one connecti
 own staged copy (pinned while they go out), so vLLM may reuse its KV blocks as soon as
 `wait_for_save` has returned.
 
-When a push fails, later jobs of that transfer are skipped and `on_done(transfer_id, error)` is
-called once, so the worker can decide what the staged copy is still good for. A job that aborts a
-transfer (the producer gave up on it) only tells the landing side; it reports nothing back.
+When a push fails, later jobs of that transfer to that target are skipped and
+`on_done(transfer_id, target, error)` is called once, so the worker can decide what the staged copy
+is still good for. A job that aborts a transfer (the producer gave up on it) only tells the landing
+side; it reports nothing back.
+
+Pools of different TP sizes (issue 20): a job with `heads` sends only those KV heads of each staged
+row (mover.reslice.pack_heads over tcp, fresh checksums after the staged ones are verified), under
+the receiving rank's rows fingerprint; the worker sends one job per consumer rank it serves.
 
 One Push carries at most `max_push_bytes` (64 MiB): a larger layer group goes as several Pushes
 of consecutive block ranges (the last one sealing, when the job does). The landing side lends
@@ -29,10 +34,12 @@ import numpy as np
 
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.logs import get_logger
+from kvconnectors.mover.heads import HeadRange
+from kvconnectors.mover.reslice import RowLayout, pack_heads
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import StoreClient
-from kvconnectors.transport.paths import TCP_PUSH, PushPath
+from kvconnectors.transport.paths import TCP_PUSH, PushPath, block_checksum, verify_checksums
 
 logger = get_logger(__name__)
 Addr = tuple[str, int]
@@ -60,19 +67,24 @@ class PushJob:
     checksums: list[int] | None = None
     end: bool = False                       # the transfer's last job: seal it (with these layers, if any)
     abort: TransferError | None = None      # send PushEnd(ok=False) with this cause instead
+    heads: HeadRange | None = None          # only these (producer-local) KV heads of each row, packed
+    fingerprint: str = ""                   # the receiving rank's rows fingerprint (default: the sender's)
 
 
 class PushSender:
     def __init__(self, store: TieredStore, *, fingerprint: str, num_layers: int,
                  client_factory: Callable[[str, int], StoreClient], timeout_s: float,
-                 on_done: Callable[[str, TransferError | None], None], path: PushPath = TCP_PUSH,
-                 link_bytes_per_s: float | None = None, max_push_bytes: int = MAX_PUSH_BYTES):
+                 on_done: Callable[[str, Addr, TransferError | None], None], path: PushPath = TCP_PUSH,
+                 link_bytes_per_s: float | None = None, max_push_bytes: int = MAX_PUSH_BYTES,
+                 row_layout: RowLayout | None = None):
         """`path`: how the groups travel (tcp; NixlPush(source=...): the landing side READs them
-        from our arena). `max_push_bytes`: a layer group larger than this goes as several Pushes."""
+        from our arena). `max_push_bytes`: a layer group larger than this goes as several Pushes.
+        `row_layout`: how the staged rows hold their heads, for jobs that send some heads only."""
         if max_push_bytes < 1:
             raise ValueError(f"max_push_bytes must be >= 1, got {max_push_bytes}")
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
         self.max_push_bytes = max_push_bytes
+        self.row_layout = row_layout
         self._client_factory = client_factory
         self.timeout_s = timeout_s
         self._on_done = on_done
@@ -83,7 +95,7 @@ class PushSender:
         self._link_free_at = 0.0
         self._queue: queue.Queue[PushJob | None] = queue.Queue()
         self._clients: dict[Addr, StoreClient] = {}
-        self._failed: dict[str, TransferError] = {}
+        self._failed: dict[tuple[str, Addr], TransferError] = {}  # (transfer, target) -> why
         self._pending = 0
         self._idle = threading.Condition()
         self.pushes = 0
@@ -138,10 +150,10 @@ class PushSender:
 
     def _handle(self, job: PushJob) -> None:
         tid = job.transfer_id
-        failed = self._failed.get(tid)
+        failed = self._failed.get((tid, job.target))
         if failed is not None:
             if job.end or job.abort is not None:
-                self._failed.pop(tid, None)  # its last job: forget it
+                self._failed.pop((tid, job.target), None)  # its last job: forget it
             if job.abort is None or failed.refused:
                 return  # the landing side already knows (it refused, or it is the one that failed)
         deadline = time.monotonic() + self.timeout_s
@@ -153,19 +165,22 @@ class PushSender:
             if job.abort is not None or (job.end and not job.layers):
                 client.push_end(tid, deadline, job.abort)
                 if job.abort is None:  # an abort is the producer's own decision: nothing to report back
-                    self._on_done(tid, None)
+                    self._on_done(tid, job.target, None)
                 return
-            self._push(client, job, deadline)
+            if job.heads is not None:
+                self._push_heads(client, job, deadline)
+            else:
+                self._push(client, job, deadline)
             if job.end:  # its Push carried seal=True
-                self._on_done(tid, None)
+                self._on_done(tid, job.target, None)
         except TransferError as exc:
             self._fail(job, exc)
 
-    def _parts(self, job: PushJob, total_blocks: int) -> list[dict]:
+    def _parts(self, job: PushJob, total_blocks: int, row_bytes: int | None = None) -> list[dict]:
         """The job's Push headers: block ranges of at most max_push_bytes each (at least one block),
         each with its slice of the job's checksums (layer-major, like the job's); the last one
-        seals when the job does."""
-        per_block = len(job.layers) * self.store.slot_bytes
+        seals when the job does. `row_bytes`: bytes per (layer, block) sent (default: a slot)."""
+        per_block = len(job.layers) * (row_bytes or self.store.slot_bytes)
         step = max(1, self.max_push_bytes // per_block)
         end = job.first_block + job.num_blocks
         heads = []
@@ -175,7 +190,8 @@ class PushSender:
             at = [i * job.num_blocks + off for i in range(len(job.layers))]  # each layer's part
             sums = None if job.checksums is None else [s for a in at for s in job.checksums[a:a + n]]
             heads.append(dict(transfer_id=job.transfer_id, num_layers=self.num_layers, total_blocks=total_blocks,
-                              fingerprint=self.fingerprint, layers=job.layers, first_block=start, num_blocks=n,
+                              fingerprint=job.fingerprint or self.fingerprint, layers=job.layers,
+                              first_block=start, num_blocks=n,
                               checksums=sums, seal=job.end and start + n == end))
         return heads
 
@@ -201,6 +217,28 @@ class PushSender:
                 client.push(wire.Push(**head, nbytes=buf.nbytes), [memoryview(buf.reshape(-1))], deadline)
         self.pushes += 1
         self.bytes_pushed += len(job.layers) * job.num_blocks * slot
+
+    def _push_heads(self, client: StoreClient, job: PushJob, deadline: float) -> None:
+        """Some heads of each staged row: read the rows (they may be on NVMe), check them against
+        the checksums they were staged with, pack the heads, checksum what is sent; over tcp."""
+        rl, heads = self.row_layout, job.heads
+        if rl is None or heads is None:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, "this producer's rows cannot be sliced by head")
+        packed = rl.with_heads(heads.count).row_bytes
+        slot = self.store.slot_bytes
+        for head in self._parts(job, self.store.info(job.transfer_id).num_blocks, packed):
+            first, n = head["first_block"], head["num_blocks"]
+            rows = np.empty((len(job.layers) * n, slot), dtype=np.uint8)
+            self.store.read_into(job.transfer_id, job.layers, first, rows, unsealed=True)  # layer-major
+            if head["checksums"] is not None:
+                verify_checksums(head["checksums"], [memoryview(r) for r in rows], job.transfer_id)
+            out = pack_heads(rows, rl, heads)
+            if head["checksums"] is not None:
+                head["checksums"] = [block_checksum(r) for r in out]
+            self._pace(out.nbytes)
+            client.push(wire.Push(**head, nbytes=out.nbytes), [memoryview(out.reshape(-1))], deadline)
+        self.pushes += 1
+        self.bytes_pushed += len(job.layers) * job.num_blocks * packed
 
     def _pace(self, nbytes: int) -> None:
         if not self._link_rate:
@@ -234,8 +272,8 @@ class PushSender:
             # store_full, keeps the connection: closing it would fail the other transfers on it.)
             self._drop_client(job.target)
         if not job.end:
-            self._failed[job.transfer_id] = exc
+            self._failed[(job.transfer_id, job.target)] = exc
             while len(self._failed) > 10_000:
                 self._failed.pop(next(iter(self._failed)))
         logger.warning("push of transfer %s to %s:%d failed: %s", job.transfer_id, *job.target, exc)
-        self._on_done(job.transfer_id, exc)
+        self._on_done(job.transfer_id, job.target, exc)

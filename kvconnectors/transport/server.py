@@ -118,7 +118,8 @@ class StoreServer:
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, max_pending: int = 64,
                  max_pending_per_peer: int | None = None, max_per_peer: int = 64,
                  require_grants: bool = False, max_grants: int = MAX_GRANTS, log_interval_s: float = 10.0,
-                 protection: str = wire.HANDSHAKE, rows_fingerprint: str = "", row_layout: Any = None):
+                 protection: str = wire.HANDSHAKE, rows_fingerprint: str = "", row_layout: Any = None,
+                 tp_size: int = 0):
         """`compat`: the hash peers must present, or one per admitted protocol version
         (wire.compat_hashes: peers of the previous version too). `paths`: the pull data paths
         offered (default: tcp, shm when the store has an arena, nixl when `nixl`, tcp of some KV
@@ -126,7 +127,8 @@ class StoreServer:
         `require_grants`: an id never granted a token is unknown (a producer's server, where every
         transfer is granted when its staging starts). `protection`: the wire_protection setting.
         `rows_fingerprint`: a Read may present it instead of `fingerprint` (a consumer holding a
-        previous-version ticket, which carries it)."""
+        previous-version ticket, which carries it). `tp_size`: the TP size of the instance this
+        store belongs to, said in StatusReply (a producer pushing to another TP size plans by it)."""
         check_protection(protection, secret)
         if protection == wire.AEAD and (nixl or (paths is not None and any(p.name == NixlPull.name for p in paths))):
             raise ConfigError("wire_protection", protection, (
@@ -135,6 +137,7 @@ class StoreServer:
         self.protection = protection
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
         self.rows_fingerprint = rows_fingerprint or fingerprint
+        self.tp_size = tp_size
         self.compat = dict(compat) if isinstance(compat, Mapping) else {wire.PROTOCOL_VERSION: compat}
         self.secret = secret
         self.idle_timeout_s, self.seal_wait_s = idle_timeout_s, seal_wait_s
@@ -674,7 +677,7 @@ class StoreServer:
             nvme_used_bytes=usage["nvme"]["used_bytes"], pinned=usage["pinned"],
             active_connections=self.active_connections - 1, counters=counters,  # minus this one
             rejected=dict(self.counters.rejected), auth_failures=self.counters.auth_failures,
-            integrity_failures=self.counters.integrity_failures),
+            integrity_failures=self.counters.integrity_failures, tp_size=self.tp_size),
             limit=wire.MAX_CONTROL_BYTES)
 
     def _locate(self, sock: socket.socket, msg: wire.Locate) -> None:

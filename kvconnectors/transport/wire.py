@@ -145,6 +145,7 @@ class StatusReply(msgspec.Struct, tag=True):
     rejected: dict[str, int] = msgspec.field(default_factory=dict)  # server refusals by cause (auth, ...)
     auth_failures: int = 0  # v4: handshakes that failed the shared-secret proof, since start
     integrity_failures: int = 0  # sealed records (wire_protection aead) that failed their tag, since start
+    tp_size: int = 0  # TP size of the instance this store belongs to (0: not said, an earlier release)
 
 
 class Push(msgspec.Struct, tag=True):

@@ -1,19 +1,17 @@
 """Prefill and decode pools of different tensor parallelism (issue 20), on live `vllm serve`
 instances: the tiny model has 2 KV heads, so a TP-2 instance holds one head per rank. A consumer
 rank pulls the heads it owns from the producer ranks that hold them and assembles its blocks
-(P TP 2 -> D TP 1, over shm), or takes its slice of the one producer rank's blocks (P TP 1 -> D TP 2,
-over tcp).
+(P TP 2 -> D TP 1, pull mode over shm); in push mode the one producer rank packs each consumer
+rank's head into that rank's rows and pushes them to its landing store (P TP 1 -> D TP 2, over tcp).
 
 Three engine processes on two cores (a TP-2 instance is two workers) is the exception the issue
-allows. P1 -> D2 at 4 requests in flight is also the check of `idle_wait_s`: without it the TP-2
-decode spins both cores on empty engine steps and the producer cannot answer its reads in time
-(measured: every request timed out; kvconnectors/tiered/README.md, `idle_wait_s`).
+allows.
 
-Each case: greedy identity with colocated over block-boundary prompts, then on the same servers
-the negative control (KV silently corrupted where the sliced pull delivered it changes the tokens
-of requests that complete normally), then nothing held on any rank; last, a producer rank killed
-while its read is held fails that request typed, naming the rank, and the decode ranks hold
-nothing and keep serving.
+Each case: greedy identity with colocated over block-boundary prompts through the proxy, then on
+the same servers the negative control (KV silently corrupted where the data path delivered it
+changes the tokens of requests that complete normally), then nothing held on any rank; last, a
+producer rank killed while a sliced read of it is held (in push mode a pull ticket asked for by
+hand) fails that request typed, naming the rank, and the decode ranks hold nothing and keep serving.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvconnectors.integration.cluster import PDCluster
-from kvconnectors.serving import complete, process_tree
+from kvconnectors.serving import complete, post_json, process_tree
 from kvconnectors.store.arena import ARENA_NAME, SHM_DIR
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
@@ -89,32 +87,47 @@ def ids(resp: dict) -> list[int]:
     return list(resp["choices"][0]["token_ids"])
 
 
+def pulled_by_hand(pd: PDCluster, prompt: list[int]) -> dict:
+    """The prefill leg asked for a pull ticket (no push_target), then the decode leg with it."""
+    name = pd.prefill[0].served_model_name
+    ticket = complete(pd.prefill[0].url, prompt, model=name, max_tokens=1, timeout=180, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False})["kv_transfer_params"]
+    return post_json(f"{pd.decode[0].url}/v1/completions", {
+        "model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
+        "return_token_ids": True, "kv_transfer_params": ticket}, timeout=180)
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp, transport", [(2, 1, "shm"), (1, 2, "tcp")],
-                         ids=["P2-D1-shm", "P1-D2-tcp"])
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp, transport, mode", [(2, 1, "shm", "pull"), (1, 2, "tcp", "push")],
+                         ids=["P2-D1-shm", "P1-D2-tcp-push"])
 def test_pools_of_different_tp_equal_colocated(tiny_model, prompts, control_prompts, colocated, prefill_tp,
-                                               decode_tp, transport, tmp_path) -> None:
+                                               decode_tp, transport, mode, tmp_path) -> None:
     arenas = set(shm_arenas())
+    path = "push_tcp" if mode == "push" else transport
     with PDCluster(tiny_model, transport=transport, kv_extra=KV, proxy_args=FORWARD_FAULT, log_dir=tmp_path,
-                   prefill_tp=prefill_tp, decode_tp=decode_tp) as pd:
+                   prefill_tp=prefill_tp, decode_tp=decode_tp, mode=mode) as pd:
         assert [p.tp for p in pd.plans] == [prefill_tp, decode_tp]
         assert_same_tokens(colocated[:len(prompts)], [ids(r) for r in run(pd, prompts)],
-                           f"P TP {prefill_tp} -> D TP {decode_tp}")
+                           f"P TP {prefill_tp} -> D TP {decode_tp}, {mode}")
         bad = run(pd, control_prompts, kv_transfer_params={"kvc_fault": "corrupt"})
         assert_control_changed(colocated[len(prompts):], [ids(r) for r in bad],
                                [r["choices"][0]["finish_reason"] for r in bad], CONTROL_LENGTHS,
-                               what=f"corrupted sliced pulls (P TP {prefill_tp} -> D TP {decode_tp})")
+                               what=f"corrupted sliced transfers (P TP {prefill_tp} -> D TP {decode_tp}, {mode})")
         assert_pd_idle(pd, timeout=30)
         d = pd.decode[0].metrics()
         assert total(d, "kvconnectors:transfer_failures_total") == 0
         assert total(d, "kvconnectors:transfers_total") >= len(prompts) + len(control_prompts)
-        assert set(by_label(d, "kvconnectors:transfer_bytes_total", "path")) == {transport}, "another data path"
+        assert set(by_label(d, "kvconnectors:transfer_bytes_total", "path")) == {path}, "another data path"
+        if mode == "push":  # each consumer rank's heads, pushed once per request
+            assert total(pd.prefill[0].metrics(), "kvconnectors:pushes_total") == decode_tp * (
+                len(prompts) + len(control_prompts))
 
         # the last producer rank killed while its read is held: typed, the rank named, nothing held
         rank = prefill_tp - 1
+        leg = run if mode == "pull" else lambda pd, ps: [pulled_by_hand(pd, p) for p in ps]
         with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(run, pd, token_prompts([KILL_LENGTH], seed=33))
+            fut = pool.submit(leg, pd, token_prompts([KILL_LENGTH], seed=33))
             time.sleep(3.0)
             kill_rank(pd.prefill[0], rank, prefill_tp)
             with pytest.raises(Exception) as failed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -121,13 +122,25 @@ def test_a_ticket_naming_a_host_outside_allowed_peers_is_refused_before_any_conn
         listener.close()
 
 
-def test_a_push_target_outside_allowed_peers_is_refused_naming_field_and_value() -> None:
+def test_a_push_target_outside_allowed_peers_is_refused_naming_field_and_value(caplog) -> None:
+    """Checked before anything connects (not even the ask for the decode's TP size); the transfer is
+    staged for a pull, the refusal logged and counted. An allowed target is asked, then pushed to."""
+    from kvconnectors.tiered.push_routes import ConsumerSizes
+    from kvconnectors.tiered.stats import TieredStats
+
     w = _worker(["10.0.0.0/8"], tp_rank=1)
-    assert w._rank_target("10.9.8.7:7000") == ("10.9.8.7", 7001)  # rank r: port + r
-    with pytest.raises(TransferError) as exc:
-        w._rank_target("192.168.77.1:7000")
-    assert exc.value.cause is FailureCause.BAD_PARAMS
-    assert "kv_transfer_params.push_target='192.168.77.1'" in exc.value.detail, exc.value
+    w.layout = SimpleNamespace(tp_rank=1, tp_size=2)
+    asked: list[tuple[str, int]] = []
+    w._consumer_sizes = ConsumerSizes(lambda host, port: asked.append((host, port)) or 2, 2)
+    w._push_targets, w._push_open, w._said_not_pushable = {}, {}, set()
+    w._lock, w.stats, w.totals, w._row_layout = threading.RLock(), TieredStats(), TieredStats(), None
+    w._set_push_target("t1", "192.168.77.1:7000")
+    assert asked == [] and "t1" not in w._push_targets
+    assert w.totals.data["failures"] == {"push_bad_params": 1}
+    assert "kv_transfer_params.push_target='192.168.77.1'" in caplog.text, caplog.text
+    w._set_push_target("t2", "10.9.8.7:7000")
+    assert asked == [("10.9.8.7", 7000)]
+    assert [r.target for r in w._push_targets["t2"]] == [("10.9.8.7", 7001)]  # rank r: port + r
 
 
 def test_the_scheduler_stages_a_disallowed_push_target_for_a_pull(caplog) -> None:

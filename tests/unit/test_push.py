@@ -76,7 +76,7 @@ class Pair:
                                  path=NixlPush(source=self.src_server.nixl) if nixl else TCP_PUSH)
         self.target = ("127.0.0.1", self.dst_server.port)
 
-    def _on_done(self, tid: str, err: TransferError | None) -> None:
+    def _on_done(self, tid: str, target: tuple[str, int], err: TransferError | None) -> None:
         self.done[tid] = err
         self.done_event.set()
 

@@ -66,19 +66,23 @@ def make_worker(role: str, tp: int, rank: int, caches: dict[str, torch.Tensor], 
     return w
 
 
-def stage(producers, tid: str, token: str, ids: list[int] = PRODUCER_IDS) -> dict:
-    """Every producer rank stages the prompt in blocks `ids`; returns the ticket the scheduler would hand out."""
-    meta = TieredConnectorMetadata(saves=[SaveSpec("r", tid, ids, 0, len(ids), True, token=token)])
+def stage(producers, tid: str, token: str, ids: list[int] = PRODUCER_IDS, push_target: str = "") -> dict:
+    """Every producer rank stages the prompt in blocks `ids` (and pushes it to `push_target`, when
+    given, waiting until the pushes went out); returns the ticket the scheduler would hand out."""
+    meta = TieredConnectorMetadata(saves=[SaveSpec("r", tid, ids, 0, len(ids), True, token=token,
+                                                   push_target=push_target)])
     for w in producers:
         for name in w._layer_index:
             w.save_kv_layer(meta, name)
         w.wait_for_save(meta)
+    for w in producers:
+        assert w.pusher.flush(10)
     metas = [w.get_handshake_metadata() for w in producers]
     ticket = kvparams.TransferParams(
         v=kvparams.PARAMS_VERSION, transfer_id=tid, addrs=[kvparams.PeerAddress(m.host, m.port) for m in metas],
         num_tokens=len(ids) * BS, num_blocks=len(ids), block_size=BS,
         fingerprint=metas[0].fingerprint, prompt_hash="h", lease_ttl_s=30, issued_at=0, token=token,
-        tp_size=len(producers), kv_heads=metas[0].kv_heads, shm_path=metas[0].shm_path)
+        tp_size=len(producers), kv_heads=metas[0].kv_heads, shm_path=metas[0].shm_path, push_target=push_target)
     return msgspec.to_builtins(ticket)
 
 
@@ -415,3 +419,136 @@ def test_an_mla_latent_is_served_by_producer_rank_0_to_every_consumer_rank(pools
         assert loaded_equals_reference(full, w, d_tp, r), f"consumer rank {r}"
     rows = LAYERS * len(CONSUMER_IDS) * consumers[0].geometry.block_bytes
     assert [w.server.counters.bytes_sent for w in producers] == [d_tp * rows] + [0] * (p_tp - 1)
+
+
+# ------------------------------------------------------------------------------- push mode
+def push_pools(pools, p_tp: int, d_tp: int, **consumer_cfg):
+    """Consumers in push mode: rank r's landing store on base + r; returns (..., push_target)."""
+    from kvconnectors.serving import free_port_block
+
+    base = free_port_block(d_tp)
+    full, producers, consumers = pools(p_tp, d_tp, consumer_cfg={"transfer_mode": "push", "store_port": base,
+                                                                 **consumer_cfg})
+    return full, producers, consumers, f"127.0.0.1:{base}"
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 4)])
+def test_pushes_to_a_larger_tp_size_land_each_consumer_ranks_heads(pools, p_tp, d_tp) -> None:
+    """D TP >= P TP: each producer rank packs, per consumer rank it serves, that rank's heads into
+    that rank's rows and pushes them under that rank's rows fingerprint; each consumer rank loads
+    its landed copy (nothing pulled), and the producer lets go of its copy once every rank has it."""
+    full, producers, consumers, target = push_pools(pools, p_tp, d_tp)
+    ticket = stage(producers, "t-push", kvparams.new_token(), push_target=target)
+    assert all(v is None for v in load(consumers, ticket).values())
+    rows = LAYERS * len(CONSUMER_IDS) * consumers[0].geometry.block_bytes
+    for r, w in enumerate(consumers):
+        assert loaded_equals_reference(full, w, d_tp, r), f"consumer rank {r}"
+        assert w.totals.data["bytes_by_path"] == {"push_tcp": rows}, w.totals.data["bytes_by_path"]
+        assert w.landing.counters["landed"] == 1 and w.store.usage()["entries"] == 0
+    assert all(w.store.usage()["entries"] == 0 for w in producers), "a producer kept its copy after every rank landed it"
+    assert sum(w.totals.data["bytes_pushed"] for w in producers) == d_tp * rows  # each rank's heads, once
+    assert not any(w.totals.data["failures"] for w in producers + consumers)
+
+
+def test_a_corrupted_landed_slice_changes_what_the_consumer_rank_loads(pools) -> None:
+    """Negative control on the same data path: the landed copy flipped on its way into the blocks."""
+    from kvconnectors.transport import tamper
+
+    full, producers, consumers, target = push_pools(pools, 1, 2, test_hooks=True)
+    ticket = stage(producers, tamper.mark("t-flip", "corrupt_landed"), kvparams.new_token(), push_target=target)
+    assert all(v is None for v in load(consumers, ticket).values())
+    assert not any(loaded_equals_reference(full, w, 2, r) for r, w in enumerate(consumers))
+    assert all(w.totals.data["bytes_by_path"].get("push_tcp") for w in consumers)
+
+
+def test_pushes_to_a_smaller_tp_size_are_not_sent_and_the_consumer_pulls_its_slices(pools) -> None:
+    """D TP < P TP: a consumer rank's heads come from several producer ranks, so the producer ranks
+    do not push (said once, not counted as a failure) and the consumer rank pulls its slices at once."""
+    full, producers, consumers, target = push_pools(pools, 2, 1)
+    ticket = stage(producers, "t-pull", kvparams.new_token(), push_target=target)
+    assert all(v is None for v in load(consumers, ticket).values())
+    assert loaded_equals_reference(full, consumers[0], 1, 0)
+    assert set(consumers[0].totals.data["bytes_by_path"]) == {"tcp"}
+    assert not any(w.totals.data["failures"] for w in producers + consumers)
+    assert all(w.totals.data["pushes"] == 0 for w in producers)
+
+
+def test_a_refused_slice_push_keeps_the_producer_copy_for_that_rank_to_pull(pools) -> None:
+    """P1 -> D2 with consumer rank 1's landing store refusing the push in step (its rows fingerprint
+    changed under it: layout_mismatch): rank 0 lands its push, rank 1 pulls its slice, and the
+    producer keeps its copy after the landed route, for that pull."""
+    full, producers, consumers, target = push_pools(pools, 1, 2)
+    consumers[1].landing.fingerprint = "0" * 16
+    ticket = stage(producers, "t-refused", kvparams.new_token(), push_target=target)
+    assert producers[0].store.usage()["entries"] == 1, "the producer let go although a rank was refused"
+    assert producers[0].totals.data["failures"] == {"push_layout_mismatch": 1}
+    assert all(v is None for v in load(consumers, ticket).values())
+    for r, w in enumerate(consumers):
+        assert loaded_equals_reference(full, w, 2, r), f"consumer rank {r}"
+    assert set(consumers[0].totals.data["bytes_by_path"]) == {"push_tcp"}
+    assert set(consumers[1].totals.data["bytes_by_path"]) == {"tcp"}
+    assert consumers[1].totals.data["push_fallbacks"] == 1
+
+
+@pytest.mark.parametrize("physical", ["LBHNC", "LBNHC"])
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), (1, 1), (2, 2)])
+def test_a_producer_rank_derives_each_consumer_ranks_rows_fingerprint(physical, p_tp, d_tp) -> None:
+    """What a sliced push presents must be what that consumer rank's landing store checks."""
+    for p in range(p_tp):
+        for c in range(d_tp):
+            assert layout(p_tp, p, physical=physical).for_rank(d_tp, c).rows_fingerprint == layout(
+                d_tp, c, physical=physical).rows_fingerprint, (p, c)
+
+
+def test_push_routes_per_tp_pairing() -> None:
+    from kvconnectors.mover.heads import HeadRange
+    from kvconnectors.mover.reslice import geometry_row_layout
+    from kvconnectors.mover.shapes import synthetic_caches as caches_of
+    from kvconnectors.tiered.layout import detect_layout as detect
+    from kvconnectors.tiered.push_routes import NotPushable, PushRoute, push_routes
+
+    def side(tp: int, rank: int):
+        lay, geometry = detect(caches_of("LBHNC", num_layers=LAYERS, num_blocks=BLOCKS,
+                                         heads=head_map(HEADS, tp)[rank].count, block_size=BS, content=C,
+                                         dtype=torch.float32, device="meta"),
+                               BS, "LBHNC", tp_size=tp, tp_rank=rank, model="tiny", backend="FLASH_ATTN",
+                               total_kv_heads=HEADS)
+        return lay, geometry_row_layout(geometry)
+
+    lay, row = side(1, 0)  # one rank with both heads -> a TP-2 decode: one head each, packed
+    assert push_routes(lay, row, "h", 7000, 2) == [
+        PushRoute(("h", 7000), HeadRange(0, 1), side(2, 0)[0].rows_fingerprint),
+        PushRoute(("h", 7001), HeadRange(1, 2), side(2, 1)[0].rows_fingerprint)]
+    assert push_routes(lay, row, "h", 7000, 1) == [PushRoute(("h", 7000))]  # equal TP: as before
+    lay, row = side(2, 1)
+    assert push_routes(lay, row, "h", 7000, 4) == [PushRoute(("h", 7000 + c), None, side(4, c)[0].rows_fingerprint)
+                                                   for c in (2, 3)]  # its one head, whole rows
+    with pytest.raises(NotPushable, match="decode rank assembles its heads from several prefill ranks"):
+        push_routes(lay, row, "h", 7000, 1)
+    with pytest.raises(TransferError, match="need head-sliced rows") as exc:
+        push_routes(lay, UnsupportedKVCache("layout X"), "h", 7000, 4)
+    assert exc.value.cause is FailureCause.LAYOUT_MISMATCH
+
+
+def test_a_decode_instances_tp_size_is_asked_once_and_a_failed_ask_is_remembered_briefly(monkeypatch) -> None:
+    from kvconnectors.tiered import push_routes as pr
+
+    now = [100.0]
+    monkeypatch.setattr(pr.time, "monotonic", lambda: now[0])
+    answers = {("a", 1): 2, ("b", 1): 0}
+    asked = []
+
+    def ask(host, port):
+        asked.append((host, port))
+        if (host, port) not in answers:
+            raise TransferError(FailureCause.PEER_UNREACHABLE, "down")
+        return answers[(host, port)]
+    sizes = pr.ConsumerSizes(ask, default=1)
+    assert [sizes.tp_size("a", 1), sizes.tp_size("a", 1), sizes.tp_size("b", 1)] == [2, 2, 1]  # 0: not said -> ours
+    for _ in range(2):
+        with pytest.raises(TransferError):
+            sizes.tp_size("c", 1)
+    assert asked == [("a", 1), ("b", 1), ("c", 1)]
+    now[0] += pr.UNREACHABLE_TTL_S + 0.1
+    answers[("c", 1)] = 2
+    assert sizes.tp_size("c", 1) == 2 and asked[-1] == ("c", 1)
