@@ -26,10 +26,11 @@ import pytest
 from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import complete, post_json, process_tree
 from kvconnectors.store.arena import ARENA_NAME, SHM_DIR
+from kvconnectors.transport.client import store_status
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
-from kvconnectors.testing.leaks import assert_pd_idle
+from kvconnectors.testing.leaks import assert_pd_idle, cluster_stores
 from kvconnectors.testing.metrics import by_label, failures_by_cause, total
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
 
@@ -119,9 +120,11 @@ def test_pools_of_different_tp_equal_colocated(tiny_model, prompts, control_prom
         assert total(d, "kvconnectors:transfer_failures_total") == 0
         assert total(d, "kvconnectors:transfers_total") >= len(prompts) + len(control_prompts)
         assert set(by_label(d, "kvconnectors:transfer_bytes_total", "path")) == {path}, "another data path"
-        if mode == "push":  # each consumer rank's heads, pushed once per request
-            assert total(pd.prefill[0].metrics(), "kvconnectors:pushes_total") == decode_tp * (
-                len(prompts) + len(control_prompts))
+        if mode == "push":  # each consumer rank's landing store sealed every request's push of its heads
+            landing = [st for st in cluster_stores(pd) if st.role == "decode"]
+            assert len(landing) == decode_tp
+            sealed = [store_status(st.host, st.port).counters["seals"] for st in landing]
+            assert sealed == [len(prompts) + len(control_prompts)] * decode_tp, sealed
 
         # the last producer rank killed while its read is held: typed, the rank named, nothing held
         rank = prefill_tp - 1
