@@ -335,6 +335,9 @@ class VllmServer:
         # Test harnesses set this to 0 for in-process LLM engines; a server should run like
         # production (API server, EngineCore and Worker as separate processes).
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        # An in-process CPU engine's worker sets this in its process (vllm/v1/worker/cpu_worker.py);
+        # a server's workers set their own, and its API server warns about the inherited one.
+        env.pop("VLLM_DIST_IDENT", None)
         if self.device == "cpu":
             env.update(CPU_DEFAULT_ENV)  # UCX on loopback without InfiniBand: a CPU host's settings
         env["PYTHONUNBUFFERED"] = "1"  # log lines reach the file (and the stream) as they happen

@@ -301,8 +301,11 @@ class TieredConnectorWorker:
 
     def _ask_tp_size(self, host: str, port: int) -> int:
         """The TP size of the decode instance whose rank 0 lands on host:port (0: it does not say)."""
-        with self._client(host, port) as client:
-            return client.status(time.monotonic() + self.config.connect_timeout_s).tp_size
+        try:
+            with self._client(host, port) as client:
+                return client.status(time.monotonic() + self.config.connect_timeout_s).tp_size
+        except OSError as exc:  # typed, so ConsumerSizes remembers it and staging goes on for a pull
+            raise TransferError(FailureCause.PEER_UNREACHABLE, f"landing store {host}:{port}: {exc}") from None
 
     def _set_push_target(self, tid: str, target: str) -> None:
         """Push `tid` to the consumer ranks behind `target` (its rank 0's landing store; rank r

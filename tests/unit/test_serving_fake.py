@@ -106,7 +106,7 @@ def test_free_port_is_bindable_and_fresh():
         s.bind(("127.0.0.1", ports[-1]))
 
 
-def test_command_and_environment(model_dir):
+def test_command_and_environment(model_dir, monkeypatch):
     srv = VllmServer(model_dir, name="p0", served_model_name="tiny", port=1234, core=1,
                      extra_args=["--kv-transfer-config", "{}", "--max-model-len", "4096"],
                      env={"UCX_NET_DEVICES": "eth0"})
@@ -122,7 +122,9 @@ def test_command_and_environment(model_dir):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["UCX_MODULES"] == "^ib" and env["UCX_NET_DEVICES"] == "eth0"
     assert srv.url == "http://127.0.0.1:1234"
+    monkeypatch.setenv("VLLM_DIST_IDENT", "abc")  # what an in-process CPU engine leaves in this process
     unpinned = VllmServer(model_dir, port=1).environment()
+    assert "VLLM_DIST_IDENT" not in unpinned  # vLLM: "Unknown vLLM environment variable"; workers set their own
     assert unpinned.get("VLLM_CPU_OMP_THREADS_BIND") == os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in unpinned  # servers run multi-process
     assert unpinned["HF_HUB_OFFLINE"] == os.environ.get("HF_HUB_OFFLINE", "1")
