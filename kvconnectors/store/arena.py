@@ -18,6 +18,7 @@ import os
 import re
 
 import numpy as np
+import psutil
 
 from kvconnectors.errors import ConfigError
 from kvconnectors.logs import get_logger
@@ -115,9 +116,15 @@ def reap_stale_arenas(directory: str = SHM_DIR) -> list[str]:
         return removed
     for name in names:
         m = ARENA_NAME.match(name)
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None:
             continue
         path = os.path.join(directory, name)
+        try:
+            changed = os.stat(path).st_ctime
+        except OSError:
+            continue
+        if _pid_alive(int(m.group(1)), made_by=changed):
+            continue
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
@@ -136,14 +143,25 @@ def reap_stale_arenas(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def _pid_alive(pid: int, made_by: float | None = None) -> bool:
+    """Whether `pid` may still be the store that made its arena. A zombie is dead (a SIGKILLed
+    worker stays one until its parent, or init, reaps it). `made_by`: the arena's ctime; a process
+    started after it is another one that reuses the pid (pid_max is often 32768)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True  # someone else's, alive
-    return True
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return made_by is None or proc.create_time() <= made_by + 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
 
 
 def _open_owned_shm(path: str, nbytes: int) -> int:
