@@ -116,7 +116,13 @@ def test_idle_admitted_peers_without_a_secret_hold_only_their_per_peer_share(mak
         time.sleep(0.3)
         took = [_read_once(srv.port, None, "victim") for _ in range(5)]
         assert max(took) < READ_DEADLINE_S, took
-        assert srv.active_connections <= getattr(srv, "max_per_peer", 64) + 1, srv.active_connections
+        # the victim's closed reads leave the count when their server threads end (on a busy host a
+        # moment later); the attacker's 400 stay open, so a broken cap still shows here
+        cap = getattr(srv, "max_per_peer", 64) + 1
+        deadline = time.monotonic() + 3.0
+        while srv.active_connections > cap and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.active_connections <= cap, srv.active_connections
     finally:
         for s in attack:
             s.close()
