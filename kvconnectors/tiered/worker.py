@@ -431,7 +431,7 @@ class TieredConnectorWorker:
                 return  # failed meanwhile (_fail_staging), or dropped
             if error is not None:
                 self._push_kept.add(tid)
-            if error is None:
+            else:
                 info = self.store.info(tid) if self.store.contains(tid) else None
                 if info is not None:
                     row = self.store.slot_bytes if route.heads is None else (
