@@ -90,12 +90,17 @@ class KVLayout:
         """The layout rank `tp_rank` of a pool at TP `tp_size` has for this same model: its share of
         the KV heads (vLLM's split), named as `layout_of` names it. A producer pushing rows sliced
         for another TP size presents that rank's `rows_fingerprint`, which its landing store checks."""
-        heads = head_map(self.kv_heads, tp_size)[tp_rank].count
+        return replace(self.with_heads(head_map(self.kv_heads, tp_size)[tp_rank].count), tp_size=tp_size,
+                       tp_rank=tp_rank)
+
+    def with_heads(self, heads: int) -> KVLayout:
+        """This rank's layout holding `heads` KV heads per block instead (one head: named as
+        `layout_of` names it). A head fragment pushed to this rank (decode TP < prefill TP) is
+        rows of this shape, and presents its `rows_fingerprint`."""
         local = self.block_shape[0]
         physical = self.physical_layout or self.cache_layout
         return replace(self, block_shape=(heads, *self.block_shape[1:]), block_bytes=self.block_bytes // local * heads,
-                       cache_layout=_SAME_WITH_ONE_HEAD.get(physical, physical) if heads == 1 else physical,
-                       tp_size=tp_size, tp_rank=tp_rank)
+                       cache_layout=_SAME_WITH_ONE_HEAD.get(physical, physical) if heads == 1 else physical)
 
 
 # With one head (MLA) the H and N axes cannot be told apart in memory: these pairs hold the same bytes.

@@ -33,8 +33,9 @@ class LeaseKeeper:
                  rpc_timeout_s: float = 5.0):
         self.interval_s, self.rpc_timeout_s = interval_s, rpc_timeout_s
         self._client = client_factory
-        # req_id -> (stores that hold the entry, transfer id, stores that may no longer hold it, its token)
-        self._tracked: dict[str, tuple[list[Addr], str, list[Addr], str]] = {}
+        # req_id -> (stores that hold the entry, transfer id, stores that may no longer hold it, its token,
+        # more ids that may be held at the latter: head fragments pushed here)
+        self._tracked: dict[str, tuple[list[Addr], str, list[Addr], str, tuple[str, ...]]] = {}
         self._beat_soon = False
         self._to_release: list[tuple[Addr, str, str]] = []
         self._lock = threading.Lock()
@@ -47,13 +48,15 @@ class LeaseKeeper:
         self._thread.start()
 
     def track(self, req_id: str, addrs: list[Addr], transfer_id: str, maybe_addrs: Sequence[Addr] = (),
-              token: str = "") -> None:
+              token: str = "", maybe_ids: Sequence[str] = ()) -> None:
         """Renew `transfer_id` at every store in `addrs` (a pulled request: the producer's ranks)
         and in `maybe_addrs` (a pushed request: this consumer's landing stores and the producer's
         ranks) until untracked; a "no longer held" answer counts as lost only from `addrs`.
+        `maybe_ids` (head fragments pushed here) are renewed at `maybe_addrs` too.
         `token`: the transfer's token from its ticket, presented with every renewal and release."""
         with self._lock:
-            self._tracked[req_id] = (list(addrs), transfer_id, [a for a in maybe_addrs if a not in addrs], token)
+            self._tracked[req_id] = (list(addrs), transfer_id, [a for a in maybe_addrs if a not in addrs], token,
+                                     tuple(maybe_ids))
             self._beat_soon = True
         self._wake.set()  # the ticket's TTL may already be short: beat now, not in a full interval
 
@@ -110,10 +113,11 @@ class LeaseKeeper:
         with self._lock:
             by_peer: dict[Addr, dict[str, bool]] = defaultdict(dict)  # addr -> {tid: must be held}
             tokens: dict[str, str] = {}
-            for addrs, tid, maybe, token in self._tracked.values():
-                tokens[tid] = token
-                for addr in maybe:
-                    by_peer[addr].setdefault(tid, False)
+            for addrs, tid, maybe, token, maybe_ids in self._tracked.values():
+                for key in (tid, *maybe_ids):
+                    tokens[key] = token
+                    for addr in maybe:
+                        by_peer[addr].setdefault(key, False)
                 for addr in addrs:
                     by_peer[addr][tid] = True
         for addr, tids in by_peer.items():

@@ -6,9 +6,17 @@ once per address and remembered, `ConsumerSizes`); each producer rank pushes, to
 whose `mover.heads.slice_plan` step it serves, the heads of that step, packed into that rank's rows
 and presented under that rank's rows fingerprint (`KVLayout.for_rank`), so the landing side checks
 them exactly as it checks an equal-TP push. That covers every pairing where one producer rank holds
-all of a consumer rank's heads (decode TP >= prefill TP, replicated heads, MLA). A consumer rank
-that assembles its heads from several producer ranks (decode TP < prefill TP) pulls its slices
-instead: `NotPushable`, said once per address, is no failure.
+all of a consumer rank's heads (decode TP >= prefill TP, replicated heads, MLA).
+
+A consumer rank that assembles its heads from several producer ranks (decode TP < prefill TP)
+gets one head fragment from each: rows of just the heads that producer rank serves, landed under
+the fragment's own id (`fragment_id`: the transfer id and the producer rank) with the fingerprint
+of rows that hold that many of the consumer rank's heads (`KVLayout.with_heads`) and the head range
+they fill (wire.Push.heads). Each fragment is an ordinary pushed entry on the landing side (its own
+owner, lease and seal; a fragment row takes a whole landing slot); the consumer waits for all of
+them and copies each one's heads into its rows (worker._load_fragments), or pulls its slices when
+any is missing. A producer rank serving one consumer rank through two separate head runs (never
+with vLLM's head split) is `NotPushable`, said once per address and no failure: that rank pulls.
 """
 
 from __future__ import annotations
@@ -33,11 +41,24 @@ class NotPushable(Exception):
     """This pairing of TP sizes is served by pulls (the consumer pulls its slices); no failure."""
 
 
+FRAGMENT_MARK = "/from-rank"
+
+
+def fragment_id(transfer_id: str, producer_rank: int) -> str:
+    """The id producer rank `producer_rank`'s head fragment of `transfer_id` lands under."""
+    return f"{transfer_id}{FRAGMENT_MARK}{producer_rank}"
+
+
+def is_fragment_of(key: str, transfer_id: str) -> bool:
+    return key.startswith(transfer_id + FRAGMENT_MARK)
+
+
 @dataclass(frozen=True)
 class PushRoute:
     target: Addr                    # one consumer rank's landing store
     heads: HeadRange | None = None  # the producer-local heads to send; None: whole rows
-    fingerprint: str = ""           # that rank's rows fingerprint; "": ours (equal TP)
+    fingerprint: str = ""           # the rows fingerprint of what it receives; "": ours (equal TP)
+    fragment: HeadRange | None = None  # a head fragment: the consumer rank's heads it fills; None: all
 
 
 def push_routes(layout: KVLayout, row: RowLayout | UnsupportedKVCache, host: str, port: int,
@@ -54,13 +75,19 @@ def push_routes(layout: KVLayout, row: RowLayout | UnsupportedKVCache, host: str
         theirs = {c: layout.for_rank(consumer_tp, c) for c, _ in plan}
     except HeadSplitError as exc:
         raise TransferError(FailureCause.LAYOUT_MISMATCH, f"cannot split KV heads ({sides}): {exc}") from None
+    if len({c for c, _ in plan}) < len(plan):
+        raise NotPushable(f"{sides}: this prefill rank serves a decode rank two separate runs of heads, "
+                          "so that rank pulls its slices")
     routes = []
     for c, step in plan:
-        if step.consumer_heads != HeadRange(0, theirs[c].block_shape[0]):
-            raise NotPushable(f"{sides}: a decode rank assembles its heads from several prefill ranks, so it "
-                              "pulls its slices (pushes need one prefill rank holding all of a decode rank's heads)")
         whole = step.producer_heads == HeadRange(0, layout.block_shape[0])
-        routes.append(PushRoute((host, port + c), None if whole else step.producer_heads, theirs[c].rows_fingerprint))
+        sent = None if whole else step.producer_heads
+        if step.consumer_heads == HeadRange(0, theirs[c].block_shape[0]):
+            routes.append(PushRoute((host, port + c), sent, theirs[c].rows_fingerprint))
+        else:  # one of several fragments that make up rank c's rows; over tcp (the landing side
+            # takes fragment rows shorter than its slots inline only), so always as heads
+            rows = theirs[c].with_heads(step.consumer_heads.count).rows_fingerprint
+            routes.append(PushRoute((host, port + c), step.producer_heads, rows, step.consumer_heads))
     return routes
 
 

@@ -25,6 +25,7 @@ from kvconnectors.transport import tamper
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.peers import PeerPolicy
+from kvconnectors.tiered.push_routes import fragment_id
 from kvconnectors.transport.push import parse_target
 
 if TYPE_CHECKING:
@@ -118,7 +119,11 @@ class TieredConnectorScheduler:
             # landed the producer has let its copy go), so neither counts as a lost lease.
             self._pushed.add(request.request_id)
             own = [(a.host, a.port) for a in self._addrs]
-            self._keeper.track(request.request_id, [], tp.transfer_id, maybe_addrs=own + addrs, token=tp.token)
+            # decode TP < prefill TP: each producer rank's head fragment lands under its own id
+            fragments = ([fragment_id(tp.transfer_id, r) for r in range(tp.tp_size)]
+                         if tp.v >= 4 and tp.tp_size > self._tp_size else [])
+            self._keeper.track(request.request_id, [], tp.transfer_id, maybe_addrs=own + addrs, token=tp.token,
+                               maybe_ids=fragments)
             return
         self._keeper.track(request.request_id, addrs, tp.transfer_id, token=tp.token)
 

@@ -32,6 +32,7 @@ from kvconnectors.store.reaper import Reaper
 from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.mover import BlockGeometry, CopyEvent, DeviceOps, Loader, Stager, ops_for
 from kvconnectors.mover.geometry import UnsupportedKVCache
+from kvconnectors.mover.heads import HeadRange, SliceStep
 from kvconnectors.mover.reslice import RowLayout, copy_heads, geometry_row_layout
 from kvconnectors.tiered.layout import KVLayout, detect_layout
 from kvconnectors.tiered.tp import Reslice, plan_for
@@ -47,7 +48,8 @@ from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.peers import PeerPolicy
 from kvconnectors.transport.paths import (SHM_PULL, TCP_HEADS_PULL, TCP_PULL, TCP_PUSH, NixlDevicePull, NixlPull,
                                          NixlPush, PullPath)
-from kvconnectors.tiered.push_routes import Addr, ConsumerSizes, NotPushable, PushRoute, push_routes
+from kvconnectors.tiered.push_routes import (Addr, ConsumerSizes, NotPushable, PushRoute, fragment_id, is_fragment_of,
+                                             push_routes)
 from kvconnectors.transport.push import PushJob, PushSender, parse_target
 from kvconnectors.transport.server import StoreServer
 
@@ -171,7 +173,9 @@ class TieredConnectorWorker:
                 tag=f"landing-{self.engine_id}"))] if cfg.transport == "nixl" else [])
             # pushes land rows unsliced: the producer's rows must be ours byte for byte
             self.landing = Landing(self.store, fingerprint=self.layout.rows_fingerprint,
-                                   num_layers=self.layout.num_layers, paths=push_paths, test_hooks=cfg.test_hooks)
+                                   num_layers=self.layout.num_layers, paths=push_paths, test_hooks=cfg.test_hooks,
+                                   fragment_rows=self._fragment_rows if isinstance(self._row_layout, RowLayout)
+                                   and not self._row_layout.mla else None)
         # peers of the previous wire version too (allow_previous_wire): pools are upgraded one at a time.
         # A producer-only server knows every transfer by its token (granted when its staging starts);
         # a landing store also holds pushed entries, which are granted no token here.
@@ -331,10 +335,22 @@ class TieredConnectorWorker:
             self._push_open[tid] = {r.target: r for r in routes}
 
     def _submit_push(self, tid: str, **job: object) -> None:
-        """One PushJob per route of `tid`."""
+        """One PushJob per route of `tid` (a head fragment under its own id)."""
         assert self.pusher is not None
         for route in self._push_targets.get(tid, ()):
-            self.pusher.submit(PushJob(tid, route.target, heads=route.heads, fingerprint=route.fingerprint, **job))
+            wire_id = fragment_id(tid, self.layout.tp_rank) if route.fragment is not None else ""
+            self.pusher.submit(PushJob(tid, route.target, heads=route.heads, fingerprint=route.fingerprint,
+                                       wire_id=wire_id, fragment=route.fragment, **job))
+
+    def _fragment_rows(self, start: int, stop: int) -> tuple[str, int]:
+        """Landing side: the rows fingerprint and row bytes of a head fragment filling this rank's
+        heads [start, stop) (push_routes.py); ValueError for a range that is not part of them."""
+        heads = self.layout.block_shape[0]
+        if not 0 <= start < stop <= heads or stop - start == heads:
+            raise ValueError(f"not a part of this rank's {heads} KV heads")
+        assert isinstance(self._row_layout, RowLayout)
+        return (self.layout.with_heads(stop - start).rows_fingerprint,
+                self._row_layout.with_heads(stop - start).row_bytes)
 
     def _push_group(self, spec: SaveSpec, end: bool = False) -> None:
         """Hand the staged, not yet pushed layers of `spec` to the push sender; `end`: the
@@ -484,13 +500,16 @@ class TieredConnectorWorker:
                     FailureCause.UNKNOWN_TRANSFER, "the request was aborted on the prefill instance"))
             with self._stage_lock:
                 self._forget_push(tid)
-            if self.landing is not None:
-                self.landing.forget(tid)
-            if self.store is not None:
-                try:
-                    self.store.release(tid)
-                except TransferError:
-                    pass
+            # a pushed request's head fragments (decode TP < prefill TP) land under their own ids
+            held = [k for k in self.store.keys() if is_fragment_of(k, tid)] if self.landing is not None else []
+            for key in [tid, *held]:
+                if self.landing is not None:
+                    self.landing.forget(key)
+                if self.store is not None:
+                    try:
+                        self.store.release(key)
+                    except TransferError:
+                        pass
 
     # ------------------------------------------------------------------ consumer
     def start_load_kv(self, meta: TieredConnectorMetadata) -> None:
@@ -577,9 +596,12 @@ class TieredConnectorWorker:
                                 f"{len(spec.block_ids)} local blocks allocated for {num_blocks} remote blocks")
         targets = spec.block_ids[:num_blocks]
         fault = tamper.kind_of(p.transfer_id, self.config.test_hooks)
-        # Pushed rows are this rank's rows: at another TP size when one producer rank holds all its
-        # heads (push_routes.py); else, or when the push did not land, pull the slices.
-        if p.push_target and self.landing is not None and (reslice is None or reslice.one_source):
+        # Pushed here: this rank's rows (at another TP size when one producer rank holds all its
+        # heads), or head fragments from several producer ranks (push_routes.py, pulled one by one
+        # where missing); when they did not land, pull.
+        if p.push_target and self.landing is not None and reslice is not None and not reslice.one_source:
+            return self._load_fragments(spec, p, reslice, targets, deadline, fault)
+        if p.push_target and self.landing is not None:
             try:
                 # at most half the time left: a pull from the producer must still fit after it
                 return self._load_landed(p, spec.first_block, targets,
@@ -772,6 +794,76 @@ class TieredConnectorWorker:
                 self.store.release(tid)
             except TransferError:
                 pass
+
+    def _load_fragments(self, spec: RecvSpec, p: TransferParams, rs: Reslice, targets: list[int], deadline: float,
+                        fault: str | None) -> dict[str, int]:
+        """Push mode, decode TP < prefill TP: each producer rank of the plan pushed the heads it
+        serves here as a fragment (push_routes.py). Copy each sealed fragment's heads into this
+        rank's rows; a fragment that did not land (refused, lost, never came) is pulled from its
+        producer rank instead, which kept its copy (the others let theirs go once landed). The rows
+        are loaded only once every rank's heads are in: nothing partial reaches the cache."""
+        assert self.landing is not None and self.store is not None
+        n, layers = len(targets), self.layout.num_layers
+        # at most half the time left for the pushes: a pull from the producer must still fit after them
+        landed_by = time.monotonic() + (deadline - time.monotonic()) / 2
+        first_chunk_by = time.monotonic() + min(FIRST_CHUNK_GRACE_S, self.config.load_timeout_s / 2)
+        mine = self.loader.landing_buffer(layers * n)
+        moved: dict[str, int] = {}
+        try:
+            for step in rs.steps:
+                key = fragment_id(p.transfer_id, step.producer_rank)
+                try:
+                    self._copy_fragment(key, step, rs, spec.first_block, n, mine, landed_by, first_chunk_by, fault)
+                    got = self.landing.landed_bytes(key)
+                except TransferError as exc:
+                    self.landing.abandon(key, exc)
+                    logger.warning("pushed KV of request %s from producer rank %d did not land (%s); pulling it",
+                                   spec.req_id, step.producer_rank, exc)
+                    self._record("record_push_fallback", exc.cause.value)
+                    got = self._pull_fragment(spec, p, rs, step, n, mine, deadline, fault)
+                finally:
+                    self.landing.forget(key)
+                    try:
+                        self.store.release(key)
+                    except TransferError:
+                        pass
+                for label, nbytes in got.items():
+                    moved[label] = moved.get(label, 0) + nbytes
+        except BaseException:
+            self.loader.release_buffer(mine)
+            raise
+        self._load_rows(mine, range(layers), targets, deadline)
+        return moved
+
+    def _copy_fragment(self, key: str, step: SliceStep, rs: Reslice, first_block: int, n: int, mine: np.ndarray,
+                       deadline: float, first_chunk_by: float, fault: str | None) -> None:
+        """Wait for head fragment `key` to be sealed here, copy its heads into `mine`."""
+        assert self.landing is not None and self.store is not None
+        self.landing.wait(key, deadline, first_chunk_by)
+        layers, row = self.layout.num_layers, rs.consumer_row.with_heads(step.consumer_heads.count)
+        per_read = max(1, min(layers, LANDED_READ_BYTES // (n * self.store.slot_bytes)))
+        theirs = np.empty((per_read * n, self.store.slot_bytes), np.uint8)
+        for first in range(0, layers, per_read):
+            group = range(first, min(first + per_read, layers))
+            rows = theirs[:len(group) * n]
+            try:
+                self.store.read_into(key, list(group), first_block, rows)
+            except OSError as exc:  # the landing copy's disk tier failed: pull instead
+                raise TransferError(FailureCause.PROTOCOL, f"reading a landed fragment failed: {exc}") from None
+            if fault == "corrupt_landed":  # test hook: the landed copy on its way into the blocks
+                tamper.corrupt(rows)
+            # a fragment row sits in the first bytes of its slot
+            copy_heads(rows[:, :row.row_bytes], row, HeadRange(0, row.heads),
+                       mine[first * n:(first + len(group)) * n], rs.consumer_row, step.consumer_heads)
+
+    def _pull_fragment(self, spec: RecvSpec, p: TransferParams, rs: Reslice, step: SliceStep, n: int,
+                       mine: np.ndarray, deadline: float, fault: str | None) -> dict[str, int]:
+        """Producer rank `step.producer_rank`'s slice, pulled over tcp into `mine`."""
+        if self.config.transport != "tcp":
+            self._record("record_path_fallback", self.config.transport, TCP_PULL.label)
+        theirs, row, first_head, got = self._read_rank(spec, p, rs, step.producer_rank, n, deadline, fault, TCP_PULL)
+        copy_heads(theirs, row, step.producer_heads.shift(-first_head), mine, rs.consumer_row, step.consumer_heads)
+        return {TCP_PULL.label: got}
 
     def _nixl(self) -> NixlPull:
         """The nixl pull path with this process's NIXL agent, created at the first nixl pull with

@@ -49,6 +49,11 @@ Who may do what (the landing side faces any peer that reaches the store port):
   store_full (its bytes are read and dropped; the producer keeps its copy, the consumer pulls)
   instead of allocating. NIXL pushes READ through one registered bounce buffer; those larger than
   it (from producers that do not split groups) are gathered in a buffer counted against the cap.
+- Head fragments (decode TP < prefill TP, tiered/push_routes.py). A Push with `heads` [start, stop)
+  carries rows holding only those of this rank's KV heads, under the fragment's own id: its
+  fingerprint must be that of such rows (`fragment_rows`, None: fragments are refused), over tcp
+  only. Otherwise it is an ordinary pushed transfer (owner, lease, seal); each row lands in the
+  first bytes of a whole slot (the consumer assembles the fragments into its rows).
 - Errors. Every refusal is typed and answered in step; a bug while landing fails the transfer, is
   answered as a protocol error, and the connection goes on (or is closed when its stream may be
   out of step).
@@ -60,7 +65,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -200,11 +205,15 @@ class _Foreign(TransferError):
 class Landing:
     def __init__(self, store: TieredStore, *, fingerprint: str, num_layers: int,
                  paths: Sequence[PushPath] = (TCP_PUSH,), seen_grace_s: float = 5.0, test_hooks: bool = False,
-                 max_receive_bytes: int | None = None):
+                 max_receive_bytes: int | None = None,
+                 fragment_rows: Callable[[int, int], tuple[str, int]] | None = None):
         """`paths`: the push data paths accepted (tcp; NixlPush(sink_factory=...) for transport nixl).
         `max_receive_bytes`: cap on every connection's push receive buffers together (default: a
-        quarter of the store's DRAM, at least MIN_RECEIVE_BYTES)."""
+        quarter of the store's DRAM, at least MIN_RECEIVE_BYTES). `fragment_rows(start, stop)`:
+        the rows fingerprint and bytes per row of a head fragment filling this rank's heads
+        [start, stop) (ValueError: not a fragment this rank takes); None: fragments are refused."""
         self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
+        self._fragment_rows = fragment_rows
         self.test_hooks = test_hooks  # honour per-transfer corruption marks (tamper.py): tests only
         self.paths: dict[str, PushPath] = {p.name: p for p in paths}
         self.receive_buffers = ReceiveBuffers(max_receive_bytes if max_receive_bytes is not None
@@ -312,7 +321,7 @@ class Landing:
             if trailing:
                 hang_up(sock)  # sizes we cannot trust: the unread bytes would be taken for a frame
             return
-        nbytes = rows * self.store.slot_bytes
+        nbytes = rows * self.store.slot_bytes  # what it takes from the store and receive buffers
         in_place = path is TCP_PUSH  # (a fault wrapper takes the buffered path below)
         try:
             rec = self._claim(msg, conn)  # before the bytes: the consumer sees it is on its way
@@ -364,7 +373,7 @@ class Landing:
             self._repay(loan, nbytes)
         with self._cond:
             self.counters["pushes"] += 1
-            self.counters["push_bytes"] += nbytes
+            self.counters["push_bytes"] += rows * self.row_bytes(msg)
         if msg.seal:
             self.handle_end(sock, wire.PushEnd(transfer_id=msg.transfer_id), conn)
             return
@@ -446,7 +455,7 @@ class Landing:
         """The path this push lands over, once its header is consistent (the path checks the rest);
         an unauthenticated producer is not told our layout."""
         wire.check_transfer_id(msg.transfer_id)
-        wire.check_fingerprint(msg.fingerprint, self.fingerprint, peer="producer", us="consumer",
+        wire.check_fingerprint(msg.fingerprint, self._expected_fingerprint(msg), peer="producer", us="consumer",
                                reveal=authenticated)
         if msg.num_layers != self.num_layers:
             raise TransferError(FailureCause.LAYOUT_MISMATCH,
@@ -465,6 +474,30 @@ class Landing:
         if not 0 <= msg.nixl_base_address < 1 << 63:
             raise TransferError(FailureCause.PROTOCOL, f"bad nixl_base_address {msg.nixl_base_address}")
         return offered(self.paths, msg.data_path, PUSH_UNOFFERED, "push data_path")
+
+    def _expected_fingerprint(self, msg: wire.Push) -> str:
+        """Whole rows: ours. A head fragment: that of rows holding its heads (checked here)."""
+        if msg.heads is None:
+            return self.fingerprint
+        if self._fragment_rows is None:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, "this consumer takes no head fragments "
+                                "(its KV heads cannot be sliced, or it is not a decode instance)")
+        if msg.data_path != TCP_PUSH.name:
+            raise TransferError(FailureCause.PROTOCOL, f"head fragments come inline only, not over {msg.data_path!r}")
+        return self._fragment(msg.heads)[0]
+
+    def _fragment(self, heads: list[int]) -> tuple[str, int]:
+        assert self._fragment_rows is not None
+        if len(heads) != 2:
+            raise TransferError(FailureCause.PROTOCOL, f"push heads {heads[:4]}: need [start, stop)")
+        try:
+            return self._fragment_rows(heads[0], heads[1])
+        except ValueError as exc:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, f"push heads {heads}: {exc}") from None
+
+    def row_bytes(self, msg: wire.Push) -> int:
+        """Bytes of one (layer, block) row of this push (after _check_shape): a slot, or a fragment's row."""
+        return self.store.slot_bytes if msg.heads is None else self._fragment(msg.heads)[1]
 
     def _mine(self, tid: str, conn: ConnectionState) -> _InFlight | None:
         """This owner's in-flight record of `tid`; None when nobody has it in flight; _Foreign
@@ -613,7 +646,7 @@ class Landing:
                     raise refuse(TransferError(FailureCause.PROTOCOL, f"pushed transfer {tid!r}: {exc}")) from None
                 ok = False
                 try:
-                    rows = self._receive_rows(sock, target, conn, deadline, unread)
+                    rows = self._receive_rows(sock, target, conn, deadline, unread, self.row_bytes(msg))
                     if silent:  # test hook: corrupt where the bytes landed, unnoticed by checksums
                         tamper.corrupt([memoryview(r) for r in rows])
                     if msg.checksums is not None and not silent:
@@ -631,9 +664,10 @@ class Landing:
                                                        f"landing store write failed: {exc}")) from None
 
     def _receive_rows(self, sock: socket.socket, target: WriteTarget, conn: ConnectionState,
-                      deadline: float, unread: list[int]) -> list[np.ndarray]:
+                      deadline: float, unread: list[int], row_bytes: int) -> list[np.ndarray]:
         """Read the target's rows, in order, into their DRAM slots (a run of consecutive slots in one
-        read) or, for NVMe rows, the connection's lent buffer; returns the rows, in order."""
+        read) or, for NVMe rows, the connection's lent buffer; returns the rows, in order. Rows
+        shorter than a slot (head fragments) land in each slot's first `row_bytes`, one read each."""
         slot = self.store.slot_bytes
         segments = [(pos, target.slots[first:first + count]) for pos, first, count in target.dram_runs]
         if target.nvme_pos.size:
@@ -642,12 +676,14 @@ class Landing:
                          for i, _, count in runs(target.nvme_pos)]
         rows: list[np.ndarray] = []
         for _, seg in sorted(segments, key=lambda s: s[0]):
-            try:
-                wire.recv_exact(sock, memoryview(seg.reshape(-1)), deadline)
-            except TransferError as exc:  # the stream itself broke
-                raise HungUp(exc) from None
-            unread[0] -= seg.nbytes
-            rows.extend(seg)
+            parts = [seg.reshape(-1)] if row_bytes == slot else [row[:row_bytes] for row in seg]
+            for part in parts:
+                try:
+                    wire.recv_exact(sock, memoryview(part), deadline)
+                except TransferError as exc:  # the stream itself broke
+                    raise HungUp(exc) from None
+                unread[0] -= part.nbytes
+            rows.extend(seg if row_bytes == slot else parts)
         return rows
 
     def _land(self, msg: wire.Push, buf: np.ndarray, label: str, rec: _InFlight) -> None:
@@ -660,6 +696,11 @@ class Landing:
             bad = _bad_checksum(msg, buf, 0)
             if bad is not None:
                 raise bad
+        landed = buf.nbytes
+        if buf.shape[1] != self.store.slot_bytes:  # head fragment rows: each in a slot's first bytes
+            whole = np.zeros((buf.shape[0], self.store.slot_bytes), np.uint8)
+            whole[:, :buf.shape[1]] = buf
+            buf = whole
         try:
             self.store.reserve(msg.transfer_id, msg.layers, msg.first_block, buf.shape[0])
             self.store.write(msg.transfer_id, msg.layers, msg.first_block, buf)  # the group in one call
@@ -669,7 +710,7 @@ class Landing:
             raise TransferError(FailureCause.STORE_FULL, f"landing store write failed: {exc}") from None
         except (ValueError, IndexError) as exc:  # e.g. sealed meanwhile, or a bound the checks missed
             raise TransferError(FailureCause.PROTOCOL, f"pushed transfer {msg.transfer_id!r}: {exc}") from None
-        self._count_landed(msg.transfer_id, label, buf.nbytes)
+        self._count_landed(msg.transfer_id, label, landed)
 
     def _count_landed(self, tid: str, label: str, nbytes: int) -> None:
         with self._cond:

@@ -445,13 +445,13 @@ class TcpPush:
         client.push(wire.Push(**head, nbytes=nbytes), views, deadline)
 
     def check(self, landing, push, rows) -> None:
-        if push.nbytes != rows * landing.store.slot_bytes:
-            raise TransferError(FailureCause.LAYOUT_MISMATCH, (
-                f"push of {push.nbytes} bytes for {rows} blocks of {landing.store.slot_bytes} B"))
+        row = landing.row_bytes(push)
+        if push.nbytes != rows * row:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, f"push of {push.nbytes} bytes for {rows} blocks of {row} B")
 
     @contextmanager
     def receive(self, landing, sock, push, conn) -> Iterator[np.ndarray]:
-        slot = landing.store.slot_bytes
+        slot = landing.row_bytes(push)  # a slot, or a head fragment's shorter row
         rows = len(push.layers) * push.num_blocks
         buf = conn.bounce(rows * slot).reshape(rows, slot)
         try:

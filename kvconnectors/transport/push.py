@@ -69,6 +69,12 @@ class PushJob:
     abort: TransferError | None = None      # send PushEnd(ok=False) with this cause instead
     heads: HeadRange | None = None          # only these (producer-local) KV heads of each row, packed
     fingerprint: str = ""                   # the receiving rank's rows fingerprint (default: the sender's)
+    wire_id: str = ""                       # the id it lands under (default: transfer_id; a head fragment's own)
+    fragment: HeadRange | None = None       # a head fragment: the receiving rank's heads these rows fill
+
+    @property
+    def landing_id(self) -> str:
+        return self.wire_id or self.transfer_id
 
 
 class PushSender:
@@ -163,7 +169,7 @@ class PushSender:
             except TransferError as exc:  # nothing was sent: the staged copy is intact for a pull
                 raise exc.refusal() from None
             if job.abort is not None or (job.end and not job.layers):
-                client.push_end(tid, deadline, job.abort)
+                client.push_end(job.landing_id, deadline, job.abort)
                 if job.abort is None:  # an abort is the producer's own decision: nothing to report back
                     self._on_done(tid, job.target, None)
                 return
@@ -189,10 +195,10 @@ class PushSender:
             off = start - job.first_block
             at = [i * job.num_blocks + off for i in range(len(job.layers))]  # each layer's part
             sums = None if job.checksums is None else [s for a in at for s in job.checksums[a:a + n]]
-            heads.append(dict(transfer_id=job.transfer_id, num_layers=self.num_layers, total_blocks=total_blocks,
+            heads.append(dict(transfer_id=job.landing_id, num_layers=self.num_layers, total_blocks=total_blocks,
                               fingerprint=job.fingerprint or self.fingerprint, layers=job.layers,
-                              first_block=start, num_blocks=n,
-                              checksums=sums, seal=job.end and start + n == end))
+                              first_block=start, num_blocks=n, checksums=sums, seal=job.end and start + n == end,
+                              heads=list(job.fragment) if job.fragment is not None else None))
         return heads
 
     def _push(self, client: StoreClient, job: PushJob, deadline: float) -> None:

@@ -166,6 +166,9 @@ class Push(msgspec.Struct, tag=True):
     nixl_base_address: int = 0
     seal: bool = False                    # the transfer's last Push: seal after landing it (no PushEnd)
     token: str = ""                       # v4: the transfer's token (the landing side may bind it)
+    # A head fragment (decode TP < prefill TP): rows hold only the receiving rank's heads
+    # [start, stop), under the fragment's own transfer id; None: whole rows
+    heads: list[int] | None = None
 
 
 class PushEnd(msgspec.Struct, tag=True):

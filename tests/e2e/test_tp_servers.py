@@ -1,17 +1,21 @@
 """Prefill and decode pools of different tensor parallelism (issue 20), on live `vllm serve`
-instances: the tiny model has 2 KV heads, so a TP-2 instance holds one head per rank. A consumer
-rank pulls the heads it owns from the producer ranks that hold them and assembles its blocks
-(P TP 2 -> D TP 1, pull mode over shm); in push mode the one producer rank packs each consumer
-rank's head into that rank's rows and pushes them to its landing store (P TP 1 -> D TP 2, over tcp).
+instances: the tiny model has 2 KV heads, so a TP-2 instance holds one head per rank. Both pairs,
+P TP 2 -> D TP 1 (pulls over shm) and P TP 1 -> D TP 2 (pulls over tcp), run in push mode, and
+each is served both ways on the same servers:
+- push (through the proxy): P2 -> D1, each producer rank pushes its head as a fragment the one
+  consumer rank assembles; P1 -> D2, the producer rank packs each consumer rank's head into that
+  rank's rows and pushes them to its landing store;
+- pull (a pull ticket asked for by hand, no push_target): each consumer rank pulls the heads it
+  owns from the producer ranks that hold them and assembles its blocks.
 
 Three engine processes on two cores (a TP-2 instance is two workers) is the exception the issue
 allows.
 
-Each case: greedy identity with colocated over block-boundary prompts through the proxy, then on
-the same servers the negative control (KV silently corrupted where the data path delivered it
-changes the tokens of requests that complete normally), then nothing held on any rank; last, a
-producer rank killed while a sliced read of it is held (in push mode a pull ticket asked for by
-hand) fails that request typed, naming the rank, and the decode ranks hold nothing and keep serving.
+Each way: greedy identity with colocated over block-boundary prompts, then the negative control
+(KV silently corrupted where the data path delivered it changes the tokens of requests that
+complete normally), then nothing held on any rank; last, a producer rank killed while a sliced
+read of it is held fails that request typed, naming the rank, and the decode ranks hold nothing
+and keep serving.
 """
 
 from __future__ import annotations
@@ -88,49 +92,68 @@ def ids(resp: dict) -> list[int]:
     return list(resp["choices"][0]["token_ids"])
 
 
-def pulled_by_hand(pd: PDCluster, prompt: list[int]) -> dict:
-    """The prefill leg asked for a pull ticket (no push_target), then the decode leg with it."""
+def pulled_by_hand(pd: PDCluster, prompt: list[int], fault: str = "") -> dict:
+    """The prefill leg asked for a pull ticket (no push_target), then the decode leg with it;
+    `fault`: the test hook's corruption for this transfer (kvc_fault)."""
     name = pd.prefill[0].served_model_name
     ticket = complete(pd.prefill[0].url, prompt, model=name, max_tokens=1, timeout=180, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False})["kv_transfer_params"]
+        "do_remote_decode": True, "do_remote_prefill": False, **({"kvc_fault": fault} if fault else {})}
+    )["kv_transfer_params"]
     return post_json(f"{pd.decode[0].url}/v1/completions", {
         "model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
         "return_token_ids": True, "kv_transfer_params": ticket}, timeout=180)
 
 
+def pull_by_hand(pd: PDCluster, prompts: list[list[int]], fault: str = "") -> list[dict]:
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda p: pulled_by_hand(pd, p, fault), prompts))
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp, transport, mode", [(2, 1, "shm", "pull"), (1, 2, "tcp", "push")],
-                         ids=["P2-D1-shm", "P1-D2-tcp-push"])
-def test_pools_of_different_tp_equal_colocated(tiny_model, prompts, control_prompts, colocated, prefill_tp,
-                                               decode_tp, transport, mode, tmp_path) -> None:
+def push_through_proxy(pd: PDCluster, prompts: list[list[int]], fault: str = "") -> list[dict]:
+    return run(pd, prompts, **({"kv_transfer_params": {"kvc_fault": fault}} if fault else {}))
+
+
+def served_equal_colocated(pd: PDCluster, leg, what: str, prompts, control_prompts, colocated) -> None:
+    """Greedy identity over the prompts, then the corrupted control changes tokens, then nothing held."""
+    assert_same_tokens(colocated[:len(prompts)], [ids(r) for r in leg(pd, prompts)], what)
+    bad = leg(pd, control_prompts, "corrupt")
+    assert_control_changed(colocated[len(prompts):], [ids(r) for r in bad],
+                           [r["choices"][0]["finish_reason"] for r in bad], CONTROL_LENGTHS,
+                           what=f"corrupted sliced transfers ({what})")
+    assert_pd_idle(pd, timeout=30)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp, transport", [(2, 1, "shm"), (1, 2, "tcp")],
+                         ids=["P2-D1-shm", "P1-D2-tcp"])
+def test_pools_of_different_tp_equal_colocated_pushed_and_pulled(tiny_model, prompts, control_prompts, colocated,
+                                                                 prefill_tp, decode_tp, transport, tmp_path) -> None:
     arenas = set(shm_arenas())
-    path = "push_tcp" if mode == "push" else transport
+    n = len(prompts) + len(control_prompts)
     with PDCluster(tiny_model, transport=transport, kv_extra=KV, proxy_args=FORWARD_FAULT, log_dir=tmp_path,
-                   prefill_tp=prefill_tp, decode_tp=decode_tp, mode=mode) as pd:
+                   prefill_tp=prefill_tp, decode_tp=decode_tp, mode="push") as pd:
         assert [p.tp for p in pd.plans] == [prefill_tp, decode_tp]
-        assert_same_tokens(colocated[:len(prompts)], [ids(r) for r in run(pd, prompts)],
-                           f"P TP {prefill_tp} -> D TP {decode_tp}, {mode}")
-        bad = run(pd, control_prompts, kv_transfer_params={"kvc_fault": "corrupt"})
-        assert_control_changed(colocated[len(prompts):], [ids(r) for r in bad],
-                               [r["choices"][0]["finish_reason"] for r in bad], CONTROL_LENGTHS,
-                               what=f"corrupted sliced transfers (P TP {prefill_tp} -> D TP {decode_tp}, {mode})")
-        assert_pd_idle(pd, timeout=30)
+        pair = f"P TP {prefill_tp} -> D TP {decode_tp}"
+        served_equal_colocated(pd, push_through_proxy, f"{pair}, push", prompts, control_prompts, colocated)
+        d = pd.decode[0].metrics()
+        assert set(by_label(d, "kvconnectors:transfer_bytes_total", "path")) == {"push_tcp"}, "another data path"
+        # each consumer rank's landing store sealed every request's push of its heads: one push per
+        # request, or one head fragment from each producer rank (P2 -> D1)
+        landing = [st for st in cluster_stores(pd) if st.role == "decode"]
+        assert len(landing) == decode_tp
+        sealed = [store_status(st.host, st.port).counters["seals"] for st in landing]
+        assert sealed == [n * max(1, prefill_tp // decode_tp)] * decode_tp, sealed
+
+        served_equal_colocated(pd, pull_by_hand, f"{pair}, pull", prompts, control_prompts, colocated)
         d = pd.decode[0].metrics()
         assert total(d, "kvconnectors:transfer_failures_total") == 0
-        assert total(d, "kvconnectors:transfers_total") >= len(prompts) + len(control_prompts)
-        assert set(by_label(d, "kvconnectors:transfer_bytes_total", "path")) == {path}, "another data path"
-        if mode == "push":  # each consumer rank's landing store sealed every request's push of its heads
-            landing = [st for st in cluster_stores(pd) if st.role == "decode"]
-            assert len(landing) == decode_tp
-            sealed = [store_status(st.host, st.port).counters["seals"] for st in landing]
-            assert sealed == [len(prompts) + len(control_prompts)] * decode_tp, sealed
+        assert total(d, "kvconnectors:transfers_total") >= 2 * n
+        assert set(by_label(d, "kvconnectors:transfer_bytes_total", "path")) == {"push_tcp", transport}
 
         # the last producer rank killed while its read is held: typed, the rank named, nothing held
+        # (the delay fault holds reads, not pushes: a pull ticket)
         rank = prefill_tp - 1
-        leg = run if mode == "pull" else lambda pd, ps: [pulled_by_hand(pd, p) for p in ps]
         with ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(leg, pd, token_prompts([KILL_LENGTH], seed=33))
+            fut = pool.submit(pull_by_hand, pd, token_prompts([KILL_LENGTH], seed=33))
             time.sleep(3.0)
             kill_rank(pd.prefill[0], rank, prefill_tp)
             with pytest.raises(Exception) as failed:

@@ -86,3 +86,23 @@ def test_maybe_addresses_are_renewed_and_their_absence_is_not_a_lost_lease() -> 
         for store, srv in ((held, held_srv), (gone, gone_srv)):
             srv.close()
             store.close()
+
+
+def test_head_fragments_of_a_pushed_request_are_renewed_where_they_landed() -> None:
+    """Decode TP < prefill TP: the producer ranks' fragments land under their own ids beside the
+    transfer's; they outlive a wait longer than their TTL, and one that is not there is not lost."""
+    store, srv = _rank(ttl=1.0)
+    store.create("t/from-rank1", 1, 2)
+    store.write("t/from-rank1", 0, 0, np.zeros((2, SLOT), np.uint8))
+    store.seal("t/from-rank1")
+    keeper = LeaseKeeper(0.3, _client)
+    try:
+        keeper.track("pushed", [], "x", maybe_addrs=[("127.0.0.1", srv.port)],
+                     maybe_ids=["t/from-rank0", "t/from-rank1"])
+        time.sleep(2.0)
+        assert store.contains("t/from-rank1"), "a landed fragment's lease lapsed while tracked"
+        assert keeper.lost == 0
+    finally:
+        keeper.close()
+        srv.close()
+        store.close()

@@ -299,6 +299,7 @@ class Keeper:
 
     def track(self, req_id, addrs, tid, **kw):
         self.calls.append(("track", req_id, list(addrs)))
+        self.maybe_ids = list(kw.get("maybe_ids", ()))
 
     def untrack(self, req_id):
         self.calls.append(("untrack", req_id))
@@ -332,6 +333,17 @@ def test_the_scheduler_releases_every_producer_rank_after_a_resliced_load() -> N
         sched.update_connector_output(SimpleNamespace(finished_recving={"r"}))
         assert keeper.calls[0] == ("track", "r", [("127.0.0.1", 1), ("127.0.0.1", 2)])
         assert keeper.calls[-1] == last, (d_tp, keeper.calls)
+
+
+def test_a_pushed_request_from_a_larger_tp_size_has_its_head_fragments_renewed() -> None:
+    from kvconnectors.tiered.push_routes import fragment_id
+
+    for d_tp, fragments in ((1, [0, 1]), (2, [])):
+        sched, ticket = consumer_scheduler(d_tp)
+        sched.config = TieredConfig(transfer_mode="push")
+        ticket["push_target"] = "127.0.0.1:9"
+        sched.on_new_request(SimpleNamespace(request_id="r", kv_transfer_params={"kvc": ticket, "do_remote_prefill": True}))
+        assert sched._keeper.maybe_ids == [fragment_id(ticket["transfer_id"], r) for r in fragments], d_tp
 
 
 def test_a_resliced_load_aborted_under_way_still_releases_every_producer_rank() -> None:
@@ -450,27 +462,73 @@ def test_pushes_to_a_larger_tp_size_land_each_consumer_ranks_heads(pools, p_tp, 
     assert not any(w.totals.data["failures"] for w in producers + consumers)
 
 
-def test_a_corrupted_landed_slice_changes_what_the_consumer_rank_loads(pools) -> None:
-    """Negative control on the same data path: the landed copy flipped on its way into the blocks."""
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1)])
+def test_a_corrupted_landed_slice_changes_what_the_consumer_rank_loads(pools, p_tp, d_tp) -> None:
+    """Negative control on the same data path: the landed copy (P1 -> D2) or fragments (P2 -> D1)
+    flipped on their way into the blocks."""
     from kvconnectors.transport import tamper
 
-    full, producers, consumers, target = push_pools(pools, 1, 2, test_hooks=True)
+    full, producers, consumers, target = push_pools(pools, p_tp, d_tp, test_hooks=True)
     ticket = stage(producers, tamper.mark("t-flip", "corrupt_landed"), kvparams.new_token(), push_target=target)
     assert all(v is None for v in load(consumers, ticket).values())
-    assert not any(loaded_equals_reference(full, w, 2, r) for r, w in enumerate(consumers))
+    assert not any(loaded_equals_reference(full, w, d_tp, r) for r, w in enumerate(consumers))
     assert all(w.totals.data["bytes_by_path"].get("push_tcp") for w in consumers)
 
 
-def test_pushes_to_a_smaller_tp_size_are_not_sent_and_the_consumer_pulls_its_slices(pools) -> None:
-    """D TP < P TP: a consumer rank's heads come from several producer ranks, so the producer ranks
-    do not push (said once, not counted as a failure) and the consumer rank pulls its slices at once."""
-    full, producers, consumers, target = push_pools(pools, 2, 1)
-    ticket = stage(producers, "t-pull", kvparams.new_token(), push_target=target)
+@pytest.mark.parametrize("p_tp", [2, 4])
+def test_pushes_to_a_smaller_tp_size_land_head_fragments_the_consumer_rank_assembles(pools, p_tp) -> None:
+    """D TP < P TP: every producer rank the consumer rank's plan names pushes its heads as a
+    fragment under its own id (P4: heads replicated on two ranks each, one replica pushes); the
+    consumer rank assembles them (nothing pulled), the producer ranks let their copies go, and
+    every fragment's landing entry is gone after the load."""
+    from kvconnectors.tiered.push_routes import fragment_id
+
+    full, producers, consumers, target = push_pools(pools, p_tp, 1)
+    ticket = stage(producers, "t-frag", kvparams.new_token(), push_target=target)
+    (w,) = consumers
+    assert sorted(w.store.keys()) == [fragment_id("t-frag", r) for r in range(0, p_tp, p_tp // 2)]  # sealed
     assert all(v is None for v in load(consumers, ticket).values())
-    assert loaded_equals_reference(full, consumers[0], 1, 0)
-    assert set(consumers[0].totals.data["bytes_by_path"]) == {"tcp"}
-    assert not any(w.totals.data["failures"] for w in producers + consumers)
-    assert all(w.totals.data["pushes"] == 0 for w in producers)
+    assert loaded_equals_reference(full, w, 1, 0)
+    rows = LAYERS * len(CONSUMER_IDS) * w.geometry.block_bytes
+    assert w.totals.data["bytes_by_path"] == {"push_tcp": rows}, w.totals.data["bytes_by_path"]
+    assert w.landing.counters["landed"] == 2 and w.store.usage()["entries"] == 0
+    serving = range(0, p_tp, p_tp // 2)  # (the others' copies go when the consumer's scheduler releases them)
+    assert all(producers[r].store.usage()["entries"] == 0 for r in serving), "a producer kept its copy after it landed"
+    assert sum(p.totals.data["bytes_pushed"] for p in producers) == rows  # each head once
+    assert not any(x.totals.data["failures"] for x in producers + consumers)
+
+
+def test_a_dropped_request_lets_go_of_its_landed_fragments(pools) -> None:
+    """Aborted before its load (the scheduler's drop): every fragment's landing entry goes at once."""
+    full, producers, consumers, target = push_pools(pools, 2, 1)
+    stage(producers, "t-drop", kvparams.new_token(), push_target=target)
+    (w,) = consumers
+    assert w.store.usage()["entries"] == 2
+    w.drop(["t-drop"])
+    assert w.store.usage()["entries"] == 0
+
+
+def test_a_refused_fragment_is_pulled_from_its_producer_rank_and_the_landed_one_used(pools) -> None:
+    """P2 -> D1 with the landing side refusing producer rank 1's fragment in step: rank 0's fragment
+    lands and is used (its producer let its copy go), rank 1's slice is pulled from rank 1, which
+    kept its copy; the blocks are still byte-exact."""
+    full, producers, consumers, target = push_pools(pools, 2, 1)
+    (w,) = consumers
+    take = w.landing._fragment_rows
+
+    def refuse_second_head(start: int, stop: int) -> tuple[str, int]:
+        if start == 1:
+            raise ValueError("refused by the test")
+        return take(start, stop)
+    w.landing._fragment_rows = refuse_second_head
+    ticket = stage(producers, "t-refuse", kvparams.new_token(), push_target=target)
+    assert [p.store.usage()["entries"] for p in producers] == [0, 1]
+    assert producers[1].totals.data["failures"] == {"push_layout_mismatch": 1}
+    assert all(v is None for v in load(consumers, ticket).values())
+    assert loaded_equals_reference(full, w, 1, 0)
+    half = LAYERS * len(CONSUMER_IDS) * w.geometry.block_bytes // 2
+    assert w.totals.data["bytes_by_path"] == {"push_tcp": half, "tcp": half}, w.totals.data["bytes_by_path"]
+    assert w.totals.data["push_fallbacks"] == 1 and w.store.usage()["entries"] == 0
 
 
 def test_a_refused_slice_push_keeps_the_producer_copy_for_that_rank_to_pull(pools) -> None:
@@ -505,7 +563,7 @@ def test_push_routes_per_tp_pairing() -> None:
     from kvconnectors.mover.reslice import geometry_row_layout
     from kvconnectors.mover.shapes import synthetic_caches as caches_of
     from kvconnectors.tiered.layout import detect_layout as detect
-    from kvconnectors.tiered.push_routes import NotPushable, PushRoute, push_routes
+    from kvconnectors.tiered.push_routes import PushRoute, push_routes
 
     def side(tp: int, rank: int):
         lay, geometry = detect(caches_of("LBHNC", num_layers=LAYERS, num_blocks=BLOCKS,
@@ -523,8 +581,12 @@ def test_push_routes_per_tp_pairing() -> None:
     lay, row = side(2, 1)
     assert push_routes(lay, row, "h", 7000, 4) == [PushRoute(("h", 7000 + c), None, side(4, c)[0].rows_fingerprint)
                                                    for c in (2, 3)]  # its one head, whole rows
-    with pytest.raises(NotPushable, match="decode rank assembles its heads from several prefill ranks"):
-        push_routes(lay, row, "h", 7000, 1)
+    # a TP-1 decode: its one rank's second head, as a fragment of that many heads (here its whole row)
+    one = side(1, 0)[0]
+    assert push_routes(lay, row, "h", 7000, 1) == [
+        PushRoute(("h", 7000), HeadRange(0, 1), one.with_heads(1).rows_fingerprint, HeadRange(1, 2))]
+    # rows of one head at TP 1 are not rows of one head at TP 2: a fragment is never taken for whole rows
+    assert one.with_heads(1).rows_fingerprint not in (lay.rows_fingerprint, one.rows_fingerprint)
     with pytest.raises(TransferError, match="need head-sliced rows") as exc:
         push_routes(lay, UnsupportedKVCache("layout X"), "h", 7000, 4)
     assert exc.value.cause is FailureCause.LAYOUT_MISMATCH
