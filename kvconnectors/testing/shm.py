@@ -5,8 +5,9 @@ vLLM's message queues (`psm_*`, Python's SharedMemory), its CPU tensor-parallel 
 SIGKILLed engine never does (a full test run left ~3 GiB). A segment is an orphan when no live
 process maps it or holds it open (compared by inode: a semaphore is mapped under another name
 than the one it ends up with): whoever still uses one maps it (SharedMemory keeps its fd open
-too), so nothing in use is ever removed, not even another test session's or server's. Only segments made since `since` are considered: what a
-test session made, not what other programs on the host may own.
+too), so nothing in use is ever removed, not even another test session's or server's. Only
+segments made since `since` are considered: what a test session made, not what other programs
+on the host may own.
 """
 
 from __future__ import annotations

@@ -110,6 +110,7 @@ class TieredConnectorWorker:
         self._push_kept: set[str] = set()  # a route was refused: its consumer rank pulls the staged copy
         self._consumer_sizes = ConsumerSizes(self._ask_tp_size, self.tp_size)
         self._said_not_pushable: set[Addr] = set()
+        self._fragment_shapes: dict[tuple[int, int], tuple[str, int]] = {}  # landing: heads -> (fingerprint, row bytes)
         self._stage_lock = threading.RLock()
         self.pusher: PushSender | None = None
         self.landing: Landing | None = None
@@ -159,7 +160,8 @@ class TieredConnectorWorker:
         safe = re.sub(r"[^A-Za-z0-9_.]", "", self.engine_id)[:16] or "engine"
         self.store = TieredStore(StoreConfig(
             slot_bytes=self.layout.block_bytes, dram_bytes=cfg.dram_bytes, nvme_dirs=cfg.nvme_dirs,
-            nvme_bytes=cfg.nvme_bytes, nvme_create_dirs=cfg.nvme_create_dirs, lease_ttl_s=cfg.lease_ttl_s, instance_name=f"{cfg.instance_name}{tp_rank}",
+            nvme_bytes=cfg.nvme_bytes, nvme_create_dirs=cfg.nvme_create_dirs, lease_ttl_s=cfg.lease_ttl_s,
+            instance_name=f"{cfg.instance_name}{tp_rank}",
             shm_name=f"kvc_{safe}_{tp_rank}_{os.getpid()}" if cfg.transport == "shm" else None))
         if self.is_producer:
             self.stager = Stager(self.geometry, self.store, self.ops, checksum=cfg.checksum)
@@ -345,12 +347,17 @@ class TieredConnectorWorker:
     def _fragment_rows(self, start: int, stop: int) -> tuple[str, int]:
         """Landing side: the rows fingerprint and row bytes of a head fragment filling this rank's
         heads [start, stop) (push_routes.py); ValueError for a range that is not part of them."""
+        known = self._fragment_shapes.get((start, stop))  # asked for every Push of a fragment
+        if known is not None:
+            return known
         heads = self.layout.block_shape[0]
         if not 0 <= start < stop <= heads or stop - start == heads:
             raise ValueError(f"not a part of this rank's {heads} KV heads")
         assert isinstance(self._row_layout, RowLayout)
-        return (self.layout.with_heads(stop - start).rows_fingerprint,
-                self._row_layout.with_heads(stop - start).row_bytes)
+        n = stop - start
+        shape = (self.layout.with_heads(n).rows_fingerprint, self._row_layout.with_heads(n).row_bytes)
+        self._fragment_shapes[(start, stop)] = shape  # (at most heads^2 / 2 entries)
+        return shape
 
     def _push_group(self, spec: SaveSpec, end: bool = False) -> None:
         """Hand the staged, not yet pushed layers of `spec` to the push sender; `end`: the
@@ -709,7 +716,8 @@ class TieredConnectorWorker:
         layers = range(self.layout.num_layers)
         theirs = np.empty((len(layers) * n, row.row_bytes), np.uint8)
         nbytes = client.read(p.transfer_id, layers, spec.first_block, list(map(memoryview, theirs)),
-                             fingerprint=p.fingerprint, deadline=deadline, verify=self.config.checksum and fault != "corrupt",
+                             fingerprint=p.fingerprint, deadline=deadline,
+                             verify=self.config.checksum and fault != "corrupt",
                              path=path, token=p.token, release=False, heads=heads)
         if fault == "corrupt":  # test hook: silently, where the data path delivered the bytes
             tamper.corrupt(theirs)

@@ -447,7 +447,8 @@ class TcpPush:
     def check(self, landing, push, rows) -> None:
         row = landing.row_bytes(push)
         if push.nbytes != rows * row:
-            raise TransferError(FailureCause.LAYOUT_MISMATCH, f"push of {push.nbytes} bytes for {rows} blocks of {row} B")
+            raise TransferError(FailureCause.LAYOUT_MISMATCH,
+                                f"push of {push.nbytes} bytes for {rows} blocks of {row} B")
 
     @contextmanager
     def receive(self, landing, sock, push, conn) -> Iterator[np.ndarray]:

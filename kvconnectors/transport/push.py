@@ -274,8 +274,9 @@ class PushSender:
                 self._drop_client(job.target)
             return
         if (exc.cause.breaks_stream and not exc.refused) or exc.cause is FailureCause.AUTH:
-            # The stream may be out of step (or a sealed record failed its tag): start afresh. (A refusal answered in step, e.g.
-            # store_full, keeps the connection: closing it would fail the other transfers on it.)
+            # The stream may be out of step (or a sealed record failed its tag): start afresh. (A refusal
+            # answered in step, e.g. store_full, keeps the connection: closing it would fail the other
+            # transfers on it.)
             self._drop_client(job.target)
         if not job.end:
             self._failed[(job.transfer_id, job.target)] = exc

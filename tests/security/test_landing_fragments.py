@@ -44,7 +44,8 @@ def fragment(c, tid: str, layer: int, n: int, heads: list[int], *, seed: int = 0
     sums = [xxhash.xxh3_64_intdigest(r) for r in data]
     if flip:
         data[-1, -1] ^= 0xFF  # after the checksums: the landing side must notice
-    fields = dict(transfer_id=tid, num_layers=LAYERS, total_blocks=n, fingerprint=f"{FRAGMENT_FP}-{heads[1] - heads[0]}",
+    fields = dict(transfer_id=tid, num_layers=LAYERS, total_blocks=n,
+                  fingerprint=f"{FRAGMENT_FP}-{heads[1] - heads[0]}",
                   layers=[layer], first_block=0, num_blocks=n, checksums=sums, nbytes=data.nbytes, heads=heads,
                   seal=seal)
     fields.update(over)

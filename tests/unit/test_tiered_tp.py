@@ -342,7 +342,8 @@ def test_a_pushed_request_from_a_larger_tp_size_has_its_head_fragments_renewed()
         sched, ticket = consumer_scheduler(d_tp)
         sched.config = TieredConfig(transfer_mode="push")
         ticket["push_target"] = "127.0.0.1:9"
-        sched.on_new_request(SimpleNamespace(request_id="r", kv_transfer_params={"kvc": ticket, "do_remote_prefill": True}))
+        sched.on_new_request(SimpleNamespace(request_id="r",
+                                             kv_transfer_params={"kvc": ticket, "do_remote_prefill": True}))
         assert sched._keeper.maybe_ids == [fragment_id(ticket["transfer_id"], r) for r in fragments], d_tp
 
 
