@@ -18,6 +18,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
@@ -774,21 +775,9 @@ class TieredConnectorWorker:
         tid = p.transfer_id
         self.landing.wait(tid, deadline, time.monotonic() + min(FIRST_CHUNK_GRACE_S, self.config.load_timeout_s / 2))
         try:
-            n, layers = len(targets), self.layout.num_layers
-            # read_into, not pinning: part of a landed entry may sit on NVMe, and DRAM may be too
-            # short to hold all of it at once. Several layers per call (this runs on the critical
-            # path, after the last push): per-call costs, not bytes, dominate small prompts.
-            per_read = max(1, min(layers, LANDED_READ_BYTES // (n * self.store.slot_bytes)))
-            buf = self.loader.landing_buffer(per_read * n)  # page-locked: it goes host->device
-            for first in range(0, layers, per_read):
-                group = range(first, min(first + per_read, layers))
-                rows = buf[:len(group) * n]
-                try:
-                    self.store.read_into(tid, list(group), first_block, rows)
-                except OSError as exc:  # the landing copy's disk tier failed: pull instead
-                    raise TransferError(FailureCause.PROTOCOL, f"reading the landed copy failed: {exc}") from None
-                if fault == "corrupt_landed":  # test hook: the landed copy on its way into the blocks
-                    tamper.corrupt(rows)
+            n = len(targets)
+            buf = self.loader.landing_buffer(self._landed_rows_per_read(n))  # page-locked: it goes host->device
+            for group, rows in self._landed_groups(tid, first_block, n, buf, fault):
                 try:
                     self.loader.load(rows, group, targets).wait(max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
@@ -848,21 +837,36 @@ class TieredConnectorWorker:
         """Wait for head fragment `key` to be sealed here, copy its heads into `mine`."""
         assert self.landing is not None and self.store is not None
         self.landing.wait(key, deadline, first_chunk_by)
-        layers, row = self.layout.num_layers, rs.consumer_row.with_heads(step.consumer_heads.count)
-        per_read = max(1, min(layers, LANDED_READ_BYTES // (n * self.store.slot_bytes)))
-        theirs = np.empty((per_read * n, self.store.slot_bytes), np.uint8)
+        row = rs.consumer_row.with_heads(step.consumer_heads.count)
+        theirs = np.empty((self._landed_rows_per_read(n), self.store.slot_bytes), np.uint8)
+        for group, rows in self._landed_groups(key, first_block, n, theirs, fault):
+            # a fragment row sits in the first bytes of its slot
+            copy_heads(rows[:, :row.row_bytes], row, HeadRange(0, row.heads),
+                       mine[group.start * n:group.stop * n], rs.consumer_row, step.consumer_heads)
+
+    def _landed_rows_per_read(self, n: int) -> int:
+        """Rows of an n-block landed entry read per read_into call: whole layers, LANDED_READ_BYTES at most."""
+        assert self.store is not None
+        return n * max(1, min(self.layout.num_layers, LANDED_READ_BYTES // (n * self.store.slot_bytes)))
+
+    def _landed_groups(self, key: str, first_block: int, n: int, buf: np.ndarray,
+                       fault: str | None) -> Iterator[tuple[range, np.ndarray]]:
+        """The landed entry `key`'s rows, a group of layers at a time, read into `buf` (layer-major).
+        read_into, not pinning: part of a landed entry may sit on NVMe, and DRAM may be too short to
+        hold all of it at once. Several layers per call (this runs on the critical path, after the
+        last push): per-call costs, not bytes, dominate small prompts."""
+        assert self.store is not None
+        layers, per_read = self.layout.num_layers, buf.shape[0] // n
         for first in range(0, layers, per_read):
             group = range(first, min(first + per_read, layers))
-            rows = theirs[:len(group) * n]
+            rows = buf[:len(group) * n]
             try:
                 self.store.read_into(key, list(group), first_block, rows)
             except OSError as exc:  # the landing copy's disk tier failed: pull instead
-                raise TransferError(FailureCause.PROTOCOL, f"reading a landed fragment failed: {exc}") from None
+                raise TransferError(FailureCause.PROTOCOL, f"reading the landed copy {key!r} failed: {exc}") from None
             if fault == "corrupt_landed":  # test hook: the landed copy on its way into the blocks
                 tamper.corrupt(rows)
-            # a fragment row sits in the first bytes of its slot
-            copy_heads(rows[:, :row.row_bytes], row, HeadRange(0, row.heads),
-                       mine[first * n:(first + len(group)) * n], rs.consumer_row, step.consumer_heads)
+            yield group, rows
 
     def _pull_fragment(self, spec: RecvSpec, p: TransferParams, rs: Reslice, step: SliceStep, n: int,
                        mine: np.ndarray, deadline: float, fault: str | None) -> dict[str, int]:
