@@ -508,16 +508,24 @@ class TieredConnectorWorker:
                     FailureCause.UNKNOWN_TRANSFER, "the request was aborted on the prefill instance"))
             with self._stage_lock:
                 self._forget_push(tid)
-            # a pushed request's head fragments (decode TP < prefill TP) land under their own ids
-            held = [k for k in self.store.keys() if is_fragment_of(k, tid)] if self.landing is not None else []
-            for key in [tid, *held]:
-                if self.landing is not None:
-                    self.landing.forget(key)
-                if self.store is not None:
-                    try:
-                        self.store.release(key)
-                    except TransferError:
-                        pass
+            self._free_landed([tid])
+            self._free_fragments(tid)
+
+    def _free_landed(self, keys: list[str]) -> None:
+        """Let go of these entries of this worker's store, and of the landing side's records of them."""
+        for key in keys:
+            if self.landing is not None:
+                self.landing.forget(key)
+            if self.store is not None:
+                try:
+                    self.store.release(key)
+                except TransferError:
+                    pass
+
+    def _free_fragments(self, tid: str) -> None:
+        """A pushed request's head fragments (decode TP < prefill TP) land under their own ids."""
+        if tid and self.landing is not None and self.store is not None:
+            self._free_landed([k for k in self.store.keys() if is_fragment_of(k, tid)])
 
     # ------------------------------------------------------------------ consumer
     def start_load_kv(self, meta: TieredConnectorMetadata) -> None:
@@ -546,12 +554,19 @@ class TieredConnectorWorker:
             by_path = self._pull_with_retries(spec, deadline)
         except TransferError as exc:
             self._finish(spec.req_id, exc)  # report first: the release below may wait on a dead peer
+            self._free_fragments(self._tid_of(spec))  # head fragments kept for a retry
             self._give_back(spec, exc)
         except Exception as exc:  # a bug must fail the request, not strand it
             logger.exception("unexpected error pulling KV for %s", spec.req_id)
             self._finish(spec.req_id, TransferError(FailureCause.PROTOCOL, f"internal error: {exc!r}"))
+            self._free_fragments(self._tid_of(spec))
         else:
             self._finish(spec.req_id, None, by_path, time.monotonic() - start)
+
+    @staticmethod
+    def _tid_of(spec: RecvSpec) -> str:
+        tid = spec.params.get("transfer_id") if isinstance(spec.params, dict) else None
+        return tid if isinstance(tid, str) else ""
 
     def _give_back(self, spec: RecvSpec, exc: TransferError) -> None:
         """After a final failure, release the producer's entry now (best effort) instead of
@@ -774,9 +789,9 @@ class TieredConnectorWorker:
         assert self.landing is not None and self.store is not None
         tid = p.transfer_id
         self.landing.wait(tid, deadline, time.monotonic() + min(FIRST_CHUNK_GRACE_S, self.config.load_timeout_s / 2))
+        n = len(targets)
+        buf = self.loader.landing_buffer(self._landed_rows_per_read(n))  # page-locked: it goes host->device
         try:
-            n = len(targets)
-            buf = self.loader.landing_buffer(self._landed_rows_per_read(n))  # page-locked: it goes host->device
             for group, rows in self._landed_groups(tid, first_block, n, buf, fault):
                 try:
                     self.loader.load(rows, group, targets).wait(max(0.0, deadline - time.monotonic()))
@@ -785,12 +800,12 @@ class TieredConnectorWorker:
                                         "missed the load deadline") from None
             self.loader.release_buffer(buf)
             return self.landing.landed_bytes(tid)
+        except TransferError as exc:
+            if exc.cause is not FailureCause.TIMEOUT:  # (after a timeout the copy may still read it)
+                self.loader.release_buffer(buf)
+            raise
         finally:
-            self.landing.forget(tid)
-            try:
-                self.store.release(tid)
-            except TransferError:
-                pass
+            self._free_landed([tid])
 
     def _load_fragments(self, spec: RecvSpec, p: TransferParams, rs: Reslice, targets: list[int], deadline: float,
                         fault: str | None) -> dict[str, int]:
@@ -798,37 +813,34 @@ class TieredConnectorWorker:
         serves here as a fragment (push_routes.py). Copy each sealed fragment's heads into this
         rank's rows; a fragment that did not land (refused, lost, never came) is pulled from its
         producer rank instead, which kept its copy (the others let theirs go once landed). The rows
-        are loaded only once every rank's heads are in: nothing partial reaches the cache."""
+        are loaded only once every rank's heads are in: nothing partial reaches the cache. After a
+        failure the landed fragments stay for a retry (the others are remembered as failed, so a
+        retry pulls them at once); _pull frees them after a final failure, as drop does."""
         assert self.landing is not None and self.store is not None
         n, layers = len(targets), self.layout.num_layers
         # at most half the time left for the pushes: a pull from the producer must still fit after them
         landed_by = time.monotonic() + (deadline - time.monotonic()) / 2
         first_chunk_by = time.monotonic() + min(FIRST_CHUNK_GRACE_S, self.config.load_timeout_s / 2)
+        keys = [fragment_id(p.transfer_id, step.producer_rank) for step in rs.steps]
         mine = self.loader.landing_buffer(layers * n)
         moved: dict[str, int] = {}
         try:
-            for step in rs.steps:
-                key = fragment_id(p.transfer_id, step.producer_rank)
+            for step, key in zip(rs.steps, keys):
                 try:
                     self._copy_fragment(key, step, rs, spec.first_block, n, mine, landed_by, first_chunk_by, fault)
                     got = self.landing.landed_bytes(key)
                 except TransferError as exc:
-                    self.landing.abandon(key, exc)
+                    self.landing.abandon(key, exc)  # what still comes is refused; a retry pulls it at once
                     logger.warning("pushed KV of request %s from producer rank %d did not land (%s); pulling it",
                                    spec.req_id, step.producer_rank, exc)
                     self._record("record_push_fallback", exc.cause.value)
                     got = self._pull_fragment(spec, p, rs, step, n, mine, deadline, fault)
-                finally:
-                    self.landing.forget(key)
-                    try:
-                        self.store.release(key)
-                    except TransferError:
-                        pass
                 for label, nbytes in got.items():
                     moved[label] = moved.get(label, 0) + nbytes
         except BaseException:
             self.loader.release_buffer(mine)
             raise
+        self._free_landed(keys)
         self._load_rows(mine, range(layers), targets, deadline)
         return moved
 
@@ -837,6 +849,10 @@ class TieredConnectorWorker:
         """Wait for head fragment `key` to be sealed here, copy its heads into `mine`."""
         assert self.landing is not None and self.store is not None
         self.landing.wait(key, deadline, first_chunk_by)
+        landed = self.landing.heads_of(key)
+        if landed != tuple(step.consumer_heads):  # another plan than ours (another version?): not these heads
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, f"fragment {key!r} holds heads {landed}, this rank's "
+                                f"plan takes heads {tuple(step.consumer_heads)} from that producer rank")
         row = rs.consumer_row.with_heads(step.consumer_heads.count)
         theirs = np.empty((self._landed_rows_per_read(n), self.store.slot_bytes), np.uint8)
         for group, rows in self._landed_groups(key, first_block, n, theirs, fault):

@@ -192,6 +192,7 @@ class _InFlight:
     num_layers: int
     total_blocks: int
     conn: ConnectionState
+    heads: tuple[int, ...] | None = None  # a head fragment's range (every Push of it must say the same)
     writer: object = field(default_factory=object)  # the store entry's writer: only we renew or release it
 
 
@@ -226,6 +227,7 @@ class Landing:
         self._prune_at = MAX_FAILURES
         # transfer id -> bytes landed per data path (bounded like _seen: a request may never come)
         self._path_bytes: OrderedDict[str, dict[str, int]] = OrderedDict()
+        self._heads: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # head fragment id -> its heads (bounded too)
         self.counters = {"pushes": 0, "push_bytes": 0, "landed": 0, "failed": 0, "refused_foreign": 0}
 
     # ------------------------------------------------------------------ consumer side
@@ -266,6 +268,12 @@ class Landing:
             self._failed.pop(transfer_id, None)
             self._seen.pop(transfer_id, None)
             self._path_bytes.pop(transfer_id, None)
+            self._heads.pop(transfer_id, None)
+
+    def heads_of(self, transfer_id: str) -> tuple[int, ...] | None:
+        """The head range a fragment landed here says it fills; None: whole rows (or unknown)."""
+        with self._cond:
+            return self._heads.get(transfer_id)
 
     def landed_bytes(self, transfer_id: str) -> dict[str, int]:
         """Bytes of `transfer_id` that landed here over each push data path, by its label
@@ -280,6 +288,7 @@ class Landing:
             self._failed[transfer_id] = TransferError(why.cause, f"the consumer stopped waiting for it: {why}")
             self._seen.pop(transfer_id, None)
             self._path_bytes.pop(transfer_id, None)
+            self._heads.pop(transfer_id, None)
             rec = self._inflight.pop(transfer_id, None)
         try:
             self.store.release(transfer_id, writer=rec.writer if rec is not None else None)
@@ -455,8 +464,8 @@ class Landing:
         """The path this push lands over, once its header is consistent (the path checks the rest);
         an unauthenticated producer is not told our layout."""
         wire.check_transfer_id(msg.transfer_id)
-        wire.check_fingerprint(msg.fingerprint, self._expected_fingerprint(msg), peer="producer", us="consumer",
-                               reveal=authenticated)
+        wire.check_fingerprint(msg.fingerprint, self._expected_fingerprint(msg, authenticated), peer="producer",
+                               us="consumer", reveal=authenticated)
         if msg.num_layers != self.num_layers:
             raise TransferError(FailureCause.LAYOUT_MISMATCH,
                                 f"producer pushes {msg.num_layers} layers, this consumer has {self.num_layers}")
@@ -475,16 +484,24 @@ class Landing:
             raise TransferError(FailureCause.PROTOCOL, f"bad nixl_base_address {msg.nixl_base_address}")
         return offered(self.paths, msg.data_path, PUSH_UNOFFERED, "push data_path")
 
-    def _expected_fingerprint(self, msg: wire.Push) -> str:
-        """Whole rows: ours. A head fragment: that of rows holding its heads (checked here)."""
+    def _expected_fingerprint(self, msg: wire.Push, authenticated: bool = True) -> str:
+        """Whole rows: ours. A head fragment: that of rows holding its heads (checked here). An
+        unauthenticated producer is not told why a fragment does not fit (that would say our heads)."""
         if msg.heads is None:
             return self.fingerprint
-        if self._fragment_rows is None:
-            raise TransferError(FailureCause.LAYOUT_MISMATCH, "this consumer takes no head fragments "
-                                "(its KV heads cannot be sliced, or it is not a decode instance)")
         if msg.data_path != TCP_PUSH.name:
             raise TransferError(FailureCause.PROTOCOL, f"head fragments come inline only, not over {msg.data_path!r}")
-        return self._fragment(msg.heads)[0]
+        try:
+            if self._fragment_rows is None:
+                raise TransferError(FailureCause.LAYOUT_MISMATCH, "this consumer takes no head fragments "
+                                    "(its KV heads cannot be sliced, or it is not a decode instance)")
+            return self._fragment(msg.heads)[0]
+        except TransferError as exc:
+            if authenticated:
+                raise
+            logger.info("refused a head fragment from an unauthenticated producer: %s", exc)
+            raise TransferError(exc.cause, "head fragment refused (not shown to an unauthenticated peer; "
+                                "see this side's log)") from None
 
     def _fragment(self, heads: list[int]) -> tuple[str, int]:
         assert self._fragment_rows is not None
@@ -534,7 +551,8 @@ class Landing:
                 if self.store.contains(tid):
                     raise _Foreign(f"transfer {tid!r} was sealed here already" if self._sealed(tid)
                                    else f"transfer {tid!r} exists here and is not this producer's")
-                rec = _InFlight(conn.owner, msg.num_layers, msg.total_blocks, conn)
+                heads = tuple(msg.heads) if msg.heads is not None else None
+                rec = _InFlight(conn.owner, msg.num_layers, msg.total_blocks, conn, heads)
                 try:
                     self.store.create(tid, msg.num_layers, msg.total_blocks, reserve=False, writer=rec.writer)
                 except StoreFullError as exc:
@@ -542,6 +560,10 @@ class Landing:
                 except ValueError:  # created meanwhile, not through us
                     raise _Foreign(f"transfer {tid!r} exists here and is not this producer's") from None
                 self._inflight[tid] = rec
+                if heads is not None:
+                    self._heads[tid] = heads
+                    while len(self._heads) > MAX_FAILURES:
+                        self._heads.popitem(last=False)
                 if len(self._inflight) > self._prune_at:
                     self._prune_locked()
                 conn.open.add(tid)
@@ -554,6 +576,10 @@ class Landing:
             raise TransferError(FailureCause.PROTOCOL, (
                 f"pushed transfer {tid!r} changed shape: {msg.num_layers} layers x total_blocks {msg.total_blocks}, "
                 f"its first push said {rec.num_layers} x {rec.total_blocks}"))
+        if (tuple(msg.heads) if msg.heads is not None else None) != rec.heads:
+            raise TransferError(FailureCause.PROTOCOL, (
+                f"pushed transfer {tid!r} changed heads: {msg.heads}, its first push said "
+                f"{list(rec.heads) if rec.heads is not None else None}"))
         conn.open.add(tid)
         self.store.renew(tid, writer=rec.writer)  # arriving data keeps the landing lease alive
         return rec
@@ -676,6 +702,8 @@ class Landing:
                          for i, _, count in runs(target.nvme_pos)]
         rows: list[np.ndarray] = []
         for _, seg in sorted(segments, key=lambda s: s[0]):
+            if row_bytes != slot:  # a fragment's slot tails: never another transfer's old bytes
+                seg[:, row_bytes:] = 0
             parts = [seg.reshape(-1)] if row_bytes == slot else [row[:row_bytes] for row in seg]
             for part in parts:
                 try:
@@ -772,6 +800,7 @@ class Landing:
         with self._cond:
             self.counters["failed"] += 1
             self._path_bytes.pop(tid, None)
+            self._heads.pop(tid, None)
             self._failed[tid] = exc
             while len(self._failed) > MAX_FAILURES:
                 self._failed.popitem(last=False)

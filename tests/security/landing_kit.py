@@ -24,7 +24,10 @@ RPC_S = 5.0  # every call's deadline: a missing answer fails the test in seconds
 
 
 class LandingServer:
-    def __init__(self, *, dram_slots: int = 256, ttl_s: float = 30.0, server_kw: dict | None = None, **landing_kw):
+    def __init__(self, *, dram_slots: int = 256, ttl_s: float = 30.0, server_kw: dict | None = None,
+                 secret: bytes | None = None, **landing_kw):
+        """`secret`: the server's and its clients' (None: no peer authenticates)."""
+        self.secret = secret
         self.store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=dram_slots * SLOT, lease_ttl_s=ttl_s))
         try:
             self.landing = Landing(self.store, fingerprint=FP, num_layers=LAYERS, **landing_kw)
@@ -35,11 +38,11 @@ class LandingServer:
             landing_kw.pop("max_receive_bytes")
             self.landing = Landing(self.store, fingerprint=FP, num_layers=LAYERS, **landing_kw)
         self.server = StoreServer(self.store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT,
-                                  landing=self.landing, **(server_kw or {}))
+                                  landing=self.landing, **{"secret": secret, **(server_kw or {})})
         self._clients: list[StoreClient] = []
 
     def client(self) -> StoreClient:
-        c = StoreClient("127.0.0.1", self.server.port, compat=COMPAT, connect_timeout_s=RPC_S)
+        c = StoreClient("127.0.0.1", self.server.port, compat=COMPAT, connect_timeout_s=RPC_S, secret=self.secret)
         self._clients.append(c)
         return c
 

@@ -17,9 +17,10 @@ from kvconnectors.transport import wire
 from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.server import StoreServer
 
-from landing_kit import COMPAT, FP, LAYERS, RPC_S, SLOT, LandingServer, refused, still_serves
+from landing_kit import COMPAT, FP, LAYERS, RPC_S, SLOT, LandingServer, push_all, refused, still_serves
 
 FRAGMENT_FP = "fp-one-head-rows"
+SECRET = b"landing-fragments-s3cret"
 HEADS = 4                 # this rank's KV heads; a fragment of k heads has rows of k / HEADS of a slot
 
 
@@ -31,7 +32,7 @@ def fragment_rows(start: int, stop: int) -> tuple[str, int]:
 
 @pytest.fixture
 def srv():
-    s = LandingServer(fragment_rows=fragment_rows)
+    s = LandingServer(fragment_rows=fragment_rows, secret=SECRET)  # authenticated: refusals say why
     yield s
     s.close()
 
@@ -61,12 +62,17 @@ def landed_prefix(store: TieredStore, tid: str, n: int, row: int) -> np.ndarray:
 
 def test_a_fragment_lands_its_short_rows_in_whole_slots_and_is_sealed(srv) -> None:
     c = srv.client()
+    push_all(c, "old", 3, seed=99)  # whole rows of another transfer, then its slots are free again
+    srv.store.release("old")
     sent = [fragment(c, "t/from-rank1", layer, 3, [1, 3], seed=layer, seal=layer == LAYERS - 1)
             for layer in range(LAYERS)]
     srv.landing.wait("t/from-rank1", time.monotonic() + RPC_S, time.monotonic() + RPC_S)
     assert np.array_equal(landed_prefix(srv.store, "t/from-rank1", 3, SLOT // 2), np.concatenate(sent))
+    tails = landed_prefix(srv.store, "t/from-rank1", 3, SLOT)[:, SLOT // 2:]
+    assert not tails.any(), "a fragment's slot tails keep another transfer's bytes"
+    assert srv.landing.heads_of("t/from-rank1") == (1, 3)
     assert srv.landing.landed_bytes("t/from-rank1") == {"push_tcp": LAYERS * 3 * SLOT // 2}
-    assert srv.landing.counters["push_bytes"] == LAYERS * 3 * SLOT // 2
+    assert srv.landing.counters["push_bytes"] == LAYERS * 3 * SLOT + LAYERS * 3 * SLOT // 2  # "old", then this
 
 
 def test_fragment_rows_bound_for_nvme_land_there_too(tmp_path) -> None:
@@ -84,6 +90,7 @@ def test_fragment_rows_bound_for_nvme_land_there_too(tmp_path) -> None:
         landing.wait("d/from-rank0", time.monotonic() + RPC_S, time.monotonic() + RPC_S)
         assert store.usage()["nvme"]["used_bytes"] > 0
         assert np.array_equal(landed_prefix(store, "d/from-rank0", 5, SLOT // 4), np.concatenate(sent))
+        assert not landed_prefix(store, "d/from-rank0", 5, SLOT)[:, SLOT // 4:].any()
     finally:
         c.close()
         server.close()
@@ -118,6 +125,27 @@ def test_a_malformed_fragment_is_refused_typed_naming_what_is_wrong(srv, over, c
     still_serves(srv.client())
 
 
+def test_a_fragment_whose_pushes_name_other_heads_is_refused(srv) -> None:
+    c = srv.client()
+    fragment(c, "h/from-rank0", 0, 2, [0, 2])
+    exc = refused(fragment, c, "h/from-rank0", 1, 2, [2, 4], seal=True)
+    assert exc.cause is FailureCause.PROTOCOL and "changed heads" in str(exc), exc
+    assert not srv.store.contains("h/from-rank0")
+
+
+def test_an_unauthenticated_producer_is_not_told_why_a_fragment_does_not_fit() -> None:
+    """Without a secret no producer is authenticated: the refusal must not say this rank's heads."""
+    from landing_kit import refused_header
+
+    s = LandingServer(fragment_rows=fragment_rows)
+    try:
+        reply = refused_header(s, header("u/from-rank0", heads=[0, 4], fingerprint=f"{FRAGMENT_FP}-4"))
+        assert reply.cause == FailureCause.LAYOUT_MISMATCH.value, reply
+        assert "KV heads" not in reply.message and "not shown to an unauthenticated peer" in reply.message, reply
+    finally:
+        s.close()
+
+
 def test_a_corrupted_fragment_row_fails_its_checksum_and_nothing_of_it_stays(srv) -> None:
     c = srv.client()
     exc = refused(fragment, c, "x/from-rank0", 0, 3, [0, 2], flip=True)
@@ -129,7 +157,7 @@ def test_a_corrupted_fragment_row_fails_its_checksum_and_nothing_of_it_stays(srv
 def test_a_landing_store_that_takes_no_fragments_refuses_them() -> None:
     from landing_kit import refused_header
 
-    s = LandingServer()
+    s = LandingServer(secret=SECRET)
     try:
         reply = refused_header(s, header("n/from-rank0"))
         assert reply.cause == FailureCause.LAYOUT_MISMATCH.value and "takes no head fragments" in reply.message, reply

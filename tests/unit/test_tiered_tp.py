@@ -499,6 +499,35 @@ def test_pushes_to_a_smaller_tp_size_land_head_fragments_the_consumer_rank_assem
     assert not any(x.totals.data["failures"] for x in producers + consumers)
 
 
+def test_a_failed_fragment_load_fails_typed_and_leaves_no_fragment_behind(pools) -> None:
+    """Rank 1's fragment refused (its producer keeps its copy) and rank 1 then gone: the pull of its
+    slice fails the load, typed and naming the rank, and rank 0's landed fragment, kept while a
+    retry could still use it, is freed with the final failure."""
+    full, producers, consumers, target = push_pools(pools, 2, 1)
+    (w,) = consumers
+    take = w.landing._fragment_rows
+    w.landing._fragment_rows = lambda a, b: (_ for _ in ()).throw(ValueError("no")) if a == 1 else take(a, b)
+    ticket = stage(producers, "t-gone", kvparams.new_token(), push_target=target)
+    producers[1].server.close()
+    err = load(consumers, ticket)[0]
+    assert err is not None and err.cause is FailureCause.PEER_UNREACHABLE and "producer rank 1 of 2" in err.detail, err
+    assert w.store.usage()["entries"] == 0, w.store.keys()
+
+
+def test_a_fragment_that_fills_other_heads_than_the_plan_says_is_never_loaded(pools) -> None:
+    """A fragment whose landed head range is not what this rank's plan takes from that producer rank
+    (another version's plan) is refused: the load pulls it instead and, its producer having let go of
+    its copy, fails typed; wrong heads never reach the cache as if they were right."""
+    full, producers, consumers, target = push_pools(pools, 2, 1)
+    (w,) = consumers
+    heads_of = w.landing.heads_of
+    w.landing.heads_of = lambda key: (1, 2) if key.endswith("rank0") else heads_of(key)
+    ticket = stage(producers, "t-heads", kvparams.new_token(), push_target=target)
+    err = load(consumers, ticket)[0]
+    assert err is not None and "producer rank 0 of 2" in err.detail, err
+    assert w.totals.data["push_fallbacks"] == 1 and w.store.usage()["entries"] == 0
+
+
 def test_a_dropped_request_lets_go_of_its_landed_fragments(pools) -> None:
     """Aborted before its load (the scheduler's drop): every fragment's landing entry goes at once."""
     full, producers, consumers, target = push_pools(pools, 2, 1)
