@@ -37,7 +37,7 @@ import xxhash
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.store.arena import SHM_DIR
 from kvconnectors.store.config import _NAME_RE as SHM_NAME_RE  # a store's shm_name: its arena's file name
-from kvconnectors.transport import wire
+from kvconnectors.transport import block_shares, wire
 from kvconnectors.transport.nixl_device import DeviceRows, merge_runs
 
 if TYPE_CHECKING:
@@ -139,13 +139,14 @@ def block_checksum(view) -> int:
 
 def verify_checksums(expected: Sequence[int], dest: Sequence[memoryview], transfer_id: str, *,
                      first: int = 0, of: int | None = None) -> None:
-    """`dest` are blocks first.. of a transfer of `of` blocks (default: just these)."""
-    for i, (want, view) in enumerate(zip(expected, dest), first):
-        got = block_checksum(view)
-        if got != want:
-            raise TransferError(FailureCause.CHECKSUM_MISMATCH, (
-                f"transfer {transfer_id!r}: block {i} of {of or len(dest)} has checksum {got:016x}, "
-                f"producer staged {want:016x}"))
+    """`dest` are blocks first.. of a transfer of `of` blocks (default: just these); large lists are
+    hashed in parallel shares (block_shares.py), the lowest mismatching block is the one named."""
+    bad = block_shares.first_mismatch(expected, dest)
+    if bad is not None:
+        got, want = block_checksum(dest[bad]), expected[bad]
+        raise TransferError(FailureCause.CHECKSUM_MISMATCH, (
+            f"transfer {transfer_id!r}: block {first + bad} of {of or len(dest)} has checksum {got:016x}, "
+            f"producer staged {want:016x}"))
 
 
 # ====================================================================== pull: tcp
@@ -346,22 +347,16 @@ class ShmPull(_ArenaPull):
 
     def read_into(self, sock, peer, read, reply, dest, *, deadline, sums, dest_addrs=None) -> int:
         """One copy per block out of the producer's arena (mapped once per arena, see _shm_arena),
-        each block hashed right after its copy, while it is still in cache. The reply's shm_path
-        is the producer's word: only a live store's arena under SHM_DIR is opened (see _shm_arena)."""
+        each block hashed right after its copy, while it is still in cache, in parallel shares
+        (block_shares.py). The reply's shm_path is the producer's word: only a live store's arena under
+        SHM_DIR is opened (see _shm_arena), and its offsets are checked before anything is copied."""
         if not reply.offsets or len(reply.offsets) != len(dest):
             raise TransferError(FailureCause.PROTOCOL, "shm reply without one offset per block")
-        slot = len(dest[0])
+        slot = dest[0].nbytes
         arena = _shm_arena(reply.shm_path, slot, len(dest), deadline, peer)
-        size = len(arena)
-        for i, (off, view) in enumerate(zip(reply.offsets, dest)):
-            if not 0 <= off <= size - slot or off % slot:
-                raise TransferError(FailureCause.PROTOCOL, f"shm offset {off} outside the arena or not at a slot "
-                                                           f"boundary ({slot} B slots)")
-            if view.format != "B":
-                view = view.cast("B")
-            view[:] = arena[off:off + slot]
-            if sums is not None and block_checksum(view) != sums[i]:
-                verify_checksums(sums[i:i + 1], [view], read.transfer_id, first=i, of=len(dest))
+        bad = block_shares.copy_blocks(arena, reply.offsets, dest, sums, slot)
+        if bad is not None:
+            verify_checksums(sums[bad:bad + 1], [dest[bad]], read.transfer_id, first=bad, of=len(dest))
         return slot * len(dest)
 
 

@@ -1,0 +1,102 @@
+"""A pull's per-block work split into parallel shares: the shm copy and the checksum check.
+
+One share per thread (a contiguous run of the block list), the calling thread running the first.
+`copy_blocks` (shm): each block is one `memmove` out of the mapped arena and, when checksums are
+on, one xxh3 of the destination right after its copy, while it is still in cache (so verifying adds
+CPU, not memory traffic). `first_mismatch` (nixl, after its READ): the xxh3 of each block. Both
+calls release the GIL, so shares overlap; one thread could not keep up with a plain scattered
+gather once it also hashes (#15 item 9). Small pulls stay on the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import xxhash
+
+from kvconnectors.errors import FailureCause, TransferError
+
+# At most this many threads work on one pull (the caller + THREADS - 1 pool threads).
+THREADS = max(1, min(2, os.cpu_count() or 1))
+MIN_BLOCKS_PER_SHARE = 64  # below this a share's hand-off costs more than it saves
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, THREADS - 1), thread_name_prefix="kvc-blocks")
+        return _pool
+
+
+def check_offsets(offsets: Sequence[int], slot: int, arena_bytes: int) -> np.ndarray:
+    """The offsets as int64, each a slot boundary inside the arena, or a typed refusal naming the first
+    that is not (they come from the producer: nothing is copied before all of them are checked)."""
+    try:
+        offs = np.asarray(offsets, dtype=np.int64)
+    except (OverflowError, ValueError, TypeError):  # beyond int64: outside any arena
+        off = next((o for o in offsets if not isinstance(o, int) or not -2**63 <= o < 2**63), offsets)
+        raise TransferError(FailureCause.PROTOCOL, f"shm offset {off} outside the arena") from None
+    bad = (offs < 0) | (offs > arena_bytes - slot) | (offs % slot != 0)
+    if bad.any():
+        off = int(offs[int(np.flatnonzero(bad)[0])])
+        raise TransferError(FailureCause.PROTOCOL, f"shm offset {off} outside the arena or not at a slot "
+                                                   f"boundary ({slot} B slots)")
+    return offs
+
+
+def _copy_share(src_base: int, offs: Sequence[int], dest: Sequence[memoryview], sums: Sequence[int] | None,
+                start: int, stop: int, slot: int) -> int | None:
+    """Copy blocks start..stop; the index of the first whose checksum differs (copying stops there)."""
+    memmove, digest = ctypes.memmove, xxhash.xxh3_64_intdigest
+    for i in range(start, stop):
+        view = dest[i]
+        if view.nbytes != slot:  # memmove trusts the length: a shorter view would be overrun
+            raise TransferError(FailureCause.PROTOCOL, f"destination block {i} holds {view.nbytes} B, "
+                                                       f"the producer's slots {slot} B")
+        memmove(ctypes.addressof(ctypes.c_char.from_buffer(view)), src_base + offs[i], slot)
+        if sums is not None and digest(view) != sums[i]:
+            return i
+    return None
+
+
+def _in_shares(work: Callable[[int, int], int | None], n: int) -> int | None:
+    """Run work(start, stop) over contiguous shares of range(n); the lowest index any share returned.
+    Returns only when every share has stopped (even when one raised, whose error is then raised)."""
+    shares = max(1, min(THREADS, n // MIN_BLOCKS_PER_SHARE))
+    bounds = [n * k // shares for k in range(shares + 1)]
+    futures: list[Future] = [_executor().submit(work, bounds[k], bounds[k + 1]) for k in range(1, shares)]
+    try:
+        first = work(bounds[0], bounds[1])
+    finally:
+        for f in futures:  # wait for every share, even when this one raised
+            f.exception()
+    found = [first] + [f.result() for f in futures]
+    return next((i for i in found if i is not None), None)
+
+
+def copy_blocks(arena: memoryview, offsets: Sequence[int], dest: Sequence[memoryview],
+                sums: Sequence[int] | None, slot: int) -> int | None:
+    """Copy arena[offsets[i]:+slot] into dest[i] for every i (offsets checked first, `check_offsets`);
+    with `sums`, the first block (lowest index) whose copy's xxh3 differs from sums[i], else None.
+    Returns only when every share has stopped: no thread writes into `dest` after this returns, and
+    `arena` (whose mapping the raw addresses point into) is held until then."""
+    offs = check_offsets(offsets, slot, len(arena)).tolist()
+    src_base = np.frombuffer(arena, dtype=np.uint8).ctypes.data
+    return _in_shares(lambda start, stop: _copy_share(src_base, offs, dest, sums, start, stop, slot), len(dest))
+
+
+def first_mismatch(sums: Sequence[int], views: Sequence[memoryview]) -> int | None:
+    """The lowest i whose xxh3 of views[i] differs from sums[i], else None."""
+    def share(start: int, stop: int) -> int | None:
+        digest = xxhash.xxh3_64_intdigest
+        return next((i for i in range(start, stop) if digest(views[i]) != sums[i]), None)
+    return _in_shares(share, min(len(sums), len(views)))

@@ -1,0 +1,126 @@
+"""block_shares: the shm copy and the checksum check split over threads (issue 15 item 9)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.transport import block_shares
+
+SLOT = 256
+
+
+@pytest.fixture(autouse=True)
+def two_threads(monkeypatch):
+    monkeypatch.setattr(block_shares, "THREADS", 2)
+
+
+def _arena(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, SLOT), dtype=np.uint8)
+
+
+def _scattered(arena: np.ndarray, seed: int = 1):
+    """Destination rows in shuffled places of a bigger cache, and the arena offsets of the blocks."""
+    n = len(arena)
+    cache = np.zeros((2 * n, SLOT), dtype=np.uint8)
+    rows = np.random.default_rng(seed).permutation(2 * n)[:n]
+    order = np.random.default_rng(seed + 1).permutation(n)  # block i comes from arena slot order[i]
+    dest = [memoryview(cache[r]) for r in rows]
+    return cache, rows, order, (order * SLOT).tolist(), dest
+
+
+def _sums(arena: np.ndarray, order) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(arena[j]) for j in order]
+
+
+@pytest.mark.parametrize("n", [5, 63, 64, 128, 301])  # one share (below 2 x 64 blocks) and two
+def test_copy_blocks_lands_every_block_where_asked_and_nothing_else(n):
+    arena = _arena(n)
+    cache, rows, order, offs, dest = _scattered(arena)
+    assert block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, _sums(arena, order), SLOT) is None
+    assert np.array_equal(cache[rows], arena[order])
+    others = np.setdiff1d(np.arange(len(cache)), rows)
+    assert not cache[others].any()
+
+
+def test_both_shares_run_at_once_on_two_threads(monkeypatch):
+    seen: set[str] = set()
+    real = block_shares._copy_share
+
+    def spy(*args):
+        seen.add(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(block_shares, "_copy_share", spy)
+    arena = _arena(256)
+    _, _, order, offs, dest = _scattered(arena)
+    block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, None, SLOT)
+    assert len(seen) == 2 and threading.current_thread().name in seen
+
+
+@pytest.mark.parametrize("bad", [[10], [200], [30, 200], [140, 250]])
+def test_the_lowest_mismatching_block_is_reported_whichever_share_found_it(bad):
+    arena = _arena(256)
+    _, _, order, offs, dest = _scattered(arena)
+    sums = _sums(arena, order)
+    for i in bad:
+        sums[i] ^= 1
+    assert block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, sums, SLOT) == min(bad)
+    assert block_shares.first_mismatch(sums, dest) == min(bad)
+
+
+def test_first_mismatch_none_when_every_block_matches():
+    arena = _arena(200)
+    views = [memoryview(r) for r in arena]
+    sums = [xxhash.xxh3_64_intdigest(r) for r in arena]
+    assert block_shares.first_mismatch(sums, views) is None
+    arena[150, 3] ^= 0xFF  # in the second share
+    assert block_shares.first_mismatch(sums, views) == 150
+
+
+@pytest.mark.parametrize("off, why", [(SLOT + 1, "slot"), (-SLOT, "outside"), (200 * SLOT, "outside"),
+                                      (2**64 - 1, "outside")])
+def test_a_bad_offset_anywhere_is_refused_before_anything_is_copied(off, why):
+    arena = _arena(200)
+    cache, _, order, offs, dest = _scattered(arena)
+    offs[-1] = off  # the last block: copying would have started long before it in a per-block check
+    with pytest.raises(TransferError) as exc:
+        block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, None, SLOT)
+    assert exc.value.cause == FailureCause.PROTOCOL and str(off) in str(exc.value) and why in str(exc.value)
+    assert not cache.any()
+
+
+def test_a_short_destination_is_refused_not_overrun_and_every_share_has_stopped():
+    arena = _arena(256)
+    cache, rows, order, offs, dest = _scattered(arena)
+    guard = np.zeros(2 * SLOT, dtype=np.uint8)
+    dest[200] = memoryview(guard[:SLOT - 8])  # in the second share; its neighbour bytes must stay zero
+    with pytest.raises(TransferError) as exc:
+        block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, None, SLOT)
+    assert exc.value.cause == FailureCause.PROTOCOL and "destination block 200" in str(exc.value)
+    assert not guard.any()
+    # the first share ran to its end before copy_blocks raised: nothing writes into dest after it
+    first_share = cache[rows[:128]].copy()
+    assert np.array_equal(first_share, arena[order[:128]])
+
+
+def test_a_share_that_fails_at_once_still_waits_for_the_others(monkeypatch):
+    real = block_shares._copy_share
+
+    def slow_in_the_pool(*args):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)  # still copying when the calling thread's share has failed
+        return real(*args)
+
+    monkeypatch.setattr(block_shares, "_copy_share", slow_in_the_pool)
+    arena = _arena(256)
+    cache, rows, order, offs, dest = _scattered(arena)
+    dest[0] = memoryview(np.zeros(SLOT - 1, dtype=np.uint8))
+    with pytest.raises(TransferError, match="destination block 0"):
+        block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, _sums(arena, order), SLOT)
+    assert np.array_equal(cache[rows[128:]], arena[order[128:]])  # the second share had finished
