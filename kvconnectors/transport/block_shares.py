@@ -25,6 +25,7 @@ from kvconnectors.errors import FailureCause, TransferError
 THREADS = max(1, min(2, os.cpu_count() or 1))
 MIN_BLOCKS_PER_SHARE = 64  # below this a share's hand-off costs more than it saves
 
+_PREFIX = "kvc-blocks"
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -33,7 +34,7 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=max(1, THREADS - 1), thread_name_prefix="kvc-blocks")
+            _pool = ThreadPoolExecutor(max_workers=max(1, THREADS - 1), thread_name_prefix=_PREFIX)
         return _pool
 
 
@@ -72,6 +73,8 @@ def _in_shares(work: Callable[[int, int], int | None], n: int) -> int | None:
     """Run work(start, stop) over contiguous shares of range(n); the lowest index any share returned.
     Returns only when every share has stopped (even when one raised, whose error is then raised)."""
     shares = max(1, min(THREADS, n // MIN_BLOCKS_PER_SHARE))
+    if threading.current_thread().name.startswith(_PREFIX):
+        shares = 1  # called from a share itself: waiting on the pool from inside it could deadlock
     bounds = [n * k // shares for k in range(shares + 1)]
     futures: list[Future] = [_executor().submit(work, bounds[k], bounds[k + 1]) for k in range(1, shares)]
     try:

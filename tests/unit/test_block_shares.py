@@ -124,3 +124,12 @@ def test_a_share_that_fails_at_once_still_waits_for_the_others(monkeypatch):
     with pytest.raises(TransferError, match="destination block 0"):
         block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, _sums(arena, order), SLOT)
     assert np.array_equal(cache[rows[128:]], arena[order[128:]])  # the second share had finished
+
+
+def test_called_from_a_pool_thread_it_runs_inline_instead_of_waiting_on_itself():
+    arena = _arena(256)
+    views = [memoryview(r) for r in arena]
+    sums = [xxhash.xxh3_64_intdigest(r) for r in arena]
+    sums[200] ^= 1
+    nested = block_shares._executor().submit(block_shares.first_mismatch, sums, views)
+    assert nested.result(timeout=10) == 200  # the pool's one thread would wait on its own queue
