@@ -63,10 +63,9 @@ class FutureEvent(CopyEvent):
 class DeviceOps(ABC):
     """Copy stream, events and host memory of one device type."""
 
+    # wait_for_save blocks the host on the step's copy events (those alone, never a device-wide
+    # synchronize): vLLM may hand a finished request's blocks to another request in the next step.
     device_type: str
-    # A CPU engine's next forward writes the same memory at once: wait_for_save must block there.
-    # On CUDA the forward stream is made to wait for the copy event instead (no host wait).
-    host_waits_for_save: bool
 
     @abstractmethod
     def forward_event(self) -> CopyEvent:
@@ -76,10 +75,6 @@ class DeviceOps(ABC):
     def enqueue(self, copy: Callable[[], None], after: CopyEvent | None = None) -> CopyEvent:
         """Run `copy` (torch copies) on the copy stream once `after` is done; returns at once
         with an event that is done when the copies are."""
-
-    @abstractmethod
-    def order_forward_after(self, event: CopyEvent) -> None:
-        """Make later work on the forward stream wait for `event` (CPU: the host waits)."""
 
     @abstractmethod
     def host_buffer(self, nbytes: int) -> np.ndarray:
@@ -131,7 +126,6 @@ class CpuOps(DeviceOps):
     """vLLM's CPU backend: a copy thread is the stream (FIFO, like a CUDA stream)."""
 
     device_type = "cpu"
-    host_waits_for_save = True
 
     def __init__(self, name: str = "kvc-copy"):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -145,9 +139,6 @@ class CpuOps(DeviceOps):
                 after.wait()
             copy()
         return FutureEvent(self._thread.submit(run))
-
-    def order_forward_after(self, event: CopyEvent) -> None:
-        event.wait()
 
     def gather(self, src: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
         # Straight into the destination (one copy), moved as 8-byte words where the rows allow: torch's
@@ -194,7 +185,6 @@ class CudaOps(DeviceOps):
     """A dedicated copy stream per worker; the forward stream is never synchronized."""
 
     device_type = "cuda"
-    host_waits_for_save = False
 
     def __init__(self, device: torch.device | int | None = None):
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else
@@ -220,12 +210,6 @@ class CudaOps(DeviceOps):
             ev.record(self.stream)
         return CudaEvent(ev)
 
-    def order_forward_after(self, event: CopyEvent) -> None:
-        if isinstance(event, CudaEvent):
-            torch.cuda.current_stream(self.device).wait_event(event.event)
-        else:
-            event.wait()
-
     def gather(self, src: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, dim: int = 0) -> None:
         # gather on the device (HBM bandwidth), then one DMA into page-locked host memory
         out.copy_(src.index_select(dim, ids), non_blocking=True)
@@ -234,6 +218,8 @@ class CudaOps(DeviceOps):
         dst.index_copy_(0, ids, rows.to(self.device, non_blocking=True))
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
+        # torch's caching host allocator: a freed buffer is reused, not pinned again, so the bounce
+        # buffers of an arena that could not be page-locked stay a pool of the copies in flight
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
     def index(self, ids: np.ndarray) -> torch.Tensor:

@@ -53,6 +53,21 @@ class StagedCopy:
         return self.target.rows * self.target.slots.shape[1]
 
 
+class _StreamIndex:
+    """The block ids as a device index tensor, made on the copy stream by the first copy that needs
+    it: made on the caller's stream instead, the copy stream would not wait for its host->device
+    copy, and the caching allocator could hand its memory to the caller's stream while the copy
+    stream still reads it. Every later layer's copy runs after the first on the same stream."""
+
+    def __init__(self, ops: DeviceOps, ids: np.ndarray):
+        self.ops, self.ids, self.tensor = ops, ids, None
+
+    def __call__(self) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = self.ops.index(self.ids)
+        return self.tensor
+
+
 class Stager:
     def __init__(self, geometry: BlockGeometry, store: TieredStore, ops: DeviceOps, *, checksum: bool = True,
                  all_layer_gather: bool | None = None):
@@ -82,13 +97,13 @@ class Stager:
                       .reshape(bounce_pos.size, self.geometry.block_bytes) if bounce_pos.size else None)
             copy = StagedCopy(transfer_id, layers, first_block, n, target, bounce_pos, bounce,
                               sums=np.zeros(target.rows, dtype=np.uint64))
-            index = self.ops.index(ids)
+            index = _StreamIndex(self.ops, ids)
             if self._one_gather(copy):
-                copy.layer_events.append(self.ops.enqueue(lambda: self._copy_all_layers(copy, index), after))
+                copy.layer_events.append(self.ops.enqueue(lambda: self._copy_all_layers(copy, index()), after))
             else:
                 for i in range(len(layers)):  # the stream keeps them in order: only the first waits
                     copy.layer_events.append(
-                        self.ops.enqueue(lambda i=i: self._copy_layer(copy, index, i), after if i == 0 else None))
+                        self.ops.enqueue(lambda i=i: self._copy_layer(copy, index(), i), after if i == 0 else None))
         except BaseException:
             if copy is not None and copy.layer_events:
                 self.abandon(copy)  # some layers are already on the stream: wait for them first

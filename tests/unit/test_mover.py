@@ -399,6 +399,40 @@ def test_nothing_lands_before_the_event_says_so():
         assert not block_diffs(src, dst, before, [5, 1])
 
 
+class StreamTrackingOps(CpuOps):
+    """Records which thread made each index tensor: on CUDA the thread that runs a copy is the one
+    inside the copy stream's context, so an index made elsewhere is copied on the wrong stream."""
+
+    def __init__(self):
+        super().__init__(name="kvc-copy-tracked")
+        self.index_threads: list[str] = []
+
+    def index(self, ids):
+        self.index_threads.append(threading.current_thread().name)
+        return super().index(ids)
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_block_ids_reach_the_device_on_the_copy_stream(layout):
+    """Stager and Loader make the index tensor inside an enqueued copy (once per stage or load),
+    never on the caller's stream, where the copy stream would not wait for it."""
+    src, dst, gs, gd = _geoms(layout)
+    ops = StreamTrackingOps()
+    with store_for(gs.block_bytes) as store:
+        stager = Stager(gs, store, ops, all_layer_gather=layout == "BLHNC")
+        store.create("t", L, 2)
+        stager.complete(stager.stage("t", range(L), 0, [5, 1]))
+        assert ops.index_threads and all(t.startswith("kvc-copy-tracked") for t in ops.index_threads), ops.index_threads
+        assert len(ops.index_threads) == 1, "one index per stage, shared by its layers"
+        store.seal("t")
+        rows = np.empty((L * 2, gs.block_bytes), np.uint8)
+        store.read_into("t", list(range(L)), 0, rows)
+        ops.index_threads.clear()
+        Loader(gd, ops).load(rows, range(L), [5, 1]).wait(10)
+        assert ops.index_threads == [ops.index_threads[0]] and ops.index_threads[0].startswith("kvc-copy-tracked")
+    ops.close()
+
+
 def test_a_timed_out_complete_keeps_the_slots_until_the_copy_is_done():
     """Regression: complete(timeout_s) used to give up the write target on TimeoutError and mark the
     copy completed, so abandon() returned at once and a released entry's slots went to the next entry
@@ -671,3 +705,66 @@ def test_cpu_gather_moves_rows_as_the_widest_word_byte_exact(shape, dtype, word)
         assert torch.equal(out_odd.view(torch.uint8), odd.index_select(0, ids).contiguous().view(torch.uint8))
     finally:
         ops.close()
+
+
+class _FakeCudart:
+    """torch.cuda.cudart() stand-in: cudaHostRegister answers `err` (2 = cudaErrorMemoryAllocation)."""
+
+    def __init__(self, err: int):
+        self.err, self.registered, self.unregistered = err, [], []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.registered.append((ptr, nbytes))
+        return self.err
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def _cuda_ops_without_a_gpu():
+    """A CudaOps whose pin() runs as on a GPU host (its constructor needs a device; pin does not)."""
+    from types import SimpleNamespace
+
+    from kvconnectors.mover.device import CudaOps
+
+    ops = CudaOps.__new__(CudaOps)
+    ops._pinned, ops._lock, ops._warned = [], threading.Lock(), set()
+    ops.stream = SimpleNamespace(synchronize=lambda: None)
+    return ops
+
+
+def test_an_arena_that_cannot_be_page_locked_is_said_once_naming_the_memlock_limit(monkeypatch, caplog):
+    """cudaHostRegister refused (RLIMIT_MEMLOCK, a container's memlock limit): pin() says False, one
+    WARNING names what, its size, the error and the RLIMIT_MEMLOCK value with how to raise it; asked
+    again for the same memory it says nothing more; nothing is left to unregister."""
+    import logging
+    import resource
+
+    fake = _FakeCudart(err=2)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (65536, 65536) if which == resource.RLIMIT_MEMLOCK
+                        else (1024, 1024))
+    ops = _cuda_ops_without_a_gpu()
+    arena = np.zeros(1 << 16, np.uint8)
+    with caplog.at_level(logging.WARNING, logger="kvconnectors"):
+        assert ops.pin(arena, "the store's DRAM arena") is False
+        assert ops.pin(arena, "the store's DRAM arena") is False
+    lines = [r.getMessage() for r in caplog.records if "cannot page-lock" in r.getMessage()]
+    assert len(lines) == 1, lines
+    for part in ("the store's DRAM arena", "65536 B", "error 2", "RLIMIT_MEMLOCK is 65536 B", "ulimit -l",
+                 "bounce"):
+        assert part in lines[0], (part, lines[0])
+    ops.close()
+    assert fake.unregistered == []
+
+
+def test_a_page_locked_arena_is_unregistered_at_close(monkeypatch):
+    fake = _FakeCudart(err=0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    ops = _cuda_ops_without_a_gpu()
+    arena = np.zeros(4096, np.uint8)
+    assert ops.pin(arena, "the store's DRAM arena") is True
+    assert fake.registered == [(arena.ctypes.data, 4096)]
+    ops.close()
+    assert fake.unregistered == [arena.ctypes.data]
