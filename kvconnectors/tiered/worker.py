@@ -149,6 +149,8 @@ class TieredConnectorWorker:
             self._row_layout: RowLayout | UnsupportedKVCache = geometry_row_layout(self.geometry)
         except UnsupportedKVCache as exc:
             self._row_layout = exc
+            logger.warning("TieredConnector: pools of another tensor-parallel size will be refused: %s "
+                           "(equal TP sizes are unaffected)", exc)
         self.ops = ops_for(self.geometry.device)
         self.loader = Loader(self.geometry, self.ops)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}

@@ -194,6 +194,39 @@ def test_an_unsliceable_layout_is_refused_naming_tp_heads_layout_and_dtype() -> 
     assert "TP 2, 2 KV heads" in d and "TP 1, 2 KV heads" in d and "LBNHC" in d and "bfloat16" in d, d
 
 
+@pytest.mark.parametrize("backend, physical, refused", [("CPU_ATTN", "LBNHC", True), ("CPU_ATTN", "LBHNC", False),
+                                                         ("FLASH_ATTN", "LBNHC", False)])
+def test_a_cache_that_cannot_be_sliced_is_said_at_start_up_naming_layout_and_dtype(monkeypatch, caplog, backend,
+                                                                                    physical, refused) -> None:
+    """register_kv_caches says, once, that pools of another TP size will be refused, naming the
+    layout, dtype and backend, for a cache whose heads have no byte ranges (vLLM CPU attention's
+    packing with tokens outermost); a sliceable cache says nothing."""
+    import logging
+
+    import kvconnectors.tiered.worker as worker
+
+    monkeypatch.setattr(worker, "_attention_backend", lambda vllm_config: backend)
+    caches = synthetic_caches(physical, num_layers=LAYERS, num_blocks=BLOCKS, heads=HEADS, block_size=BS, content=C,
+                              dtype=torch.bfloat16, seed=3)
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(is_kv_producer=False, is_kv_consumer=True),
+        cache_config=SimpleNamespace(block_size=BS, get_resolved_kv_cache_layout=lambda: SimpleNamespace(name=physical)),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        model_config=SimpleNamespace(served_model_name="tiny", get_total_num_kv_heads=lambda: HEADS))
+    w = worker.TieredConnectorWorker(vllm_config, TieredConfig(dram_bytes="4m"), "c-startup")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvconnectors"):
+            w.register_kv_caches(caches)
+        said = [r.getMessage() for r in caplog.records if "another tensor-parallel size" in r.getMessage()]
+        if refused:
+            assert len(said) == 1 and all(p in said[0] for p in (physical, "bfloat16", backend)), said
+            assert isinstance(w._row_layout, UnsupportedKVCache)
+        else:
+            assert not said
+    finally:
+        w.shutdown()
+
+
 # ------------------------------------------------------------------------------- worker, end to end
 @pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
 @pytest.mark.parametrize("ids", [(PRODUCER_IDS, CONSUMER_IDS), ([4], [3])], ids=["3-blocks", "1-block"])
