@@ -523,8 +523,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=positive_int, default=1, metavar="M", help="number of decode instances")
     parser.add_argument("--prefill-tp", type=positive_int, default=None, metavar="K",
                         help="tensor parallel size of each prefill instance (default: --vllm-args' "
-                             "--tensor-parallel-size, else 1). May differ from --decode-tp: TieredConnector "
-                             "pulls the KV heads each decode rank owns from the prefill ranks that hold them. "
+                             "--tensor-parallel-size, else 1). May differ from --decode-tp: with TieredConnector each "
+                             "decode rank pulls the KV heads it owns from the prefill ranks that hold them, or "
+                             "(--mode push) the prefill ranks push them to it. "
                              "On CPU an instance of K ranks takes K cores (VLLM_CPU_OMP_THREADS_BIND, one per "
                              "rank), on CUDA K GPUs")
     parser.add_argument("--decode-tp", type=positive_int, default=None, metavar="K",

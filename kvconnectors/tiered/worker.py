@@ -989,6 +989,9 @@ class TieredConnectorWorker:
         if self.server is not None:
             self.server.close()
             self.server = None
+        ops = getattr(self, "ops", None)  # set by register_kv_caches
+        if ops is not None:
+            ops.close()  # the copy stream; CUDA: unpins the arena, so before the store unmaps it
         if self.store is not None:
             self.store.close()
             self.store = None
