@@ -11,7 +11,8 @@ they interleave with tokens (NHD: a gather of C-byte pieces).
 vLLM's CPU backend (CPU_ATTN, LBHNC only) packs the interior of each (kernel block, head) region
 per ISA: K column-major for vec/vec16, K in 16-token quad-word groups and V in token pairs for
 AMX bf16, FP8 groups for amx_fp8 (csrc/cpu/cpu_attn_*.hpp, `reshape_and_cache`, which addresses
-`block * num_blocks_stride + head * cache_head_num_stride`). The packing never crosses a head, so a
+`block * num_blocks_stride + head * cache_head_num_stride`). The packing never crosses a head (checked
+against vLLM's own writer for every ISA it picks: tests/unit/test_cpu_attn_packing.py), so a
 whole-head run is still a contiguous byte range; only its interior differs by ISA, which is why
 both sides must run the same ISA and why a token-outermost CPU_ATTN row is refused.
 """

@@ -108,7 +108,7 @@ _SAME_WITH_ONE_HEAD = {"LBNHC": "LBHNC", "BLNHC": "BLHNC", "LHBNC": "LBHNC", "BH
 
 
 def layout_of(geometry: BlockGeometry, block_size: int, tp_size: int = 1, tp_rank: int = 0,
-              model: str = "", total_kv_heads: int = 0) -> KVLayout:
+              model: str = "", total_kv_heads: int = 0, model_dtype: torch.dtype | None = None) -> KVLayout:
     layout = geometry.layout
     if geometry.block_shape and geometry.block_shape[0] == 1:
         layout = _SAME_WITH_ONE_HEAD.get(layout, layout)
@@ -118,26 +118,32 @@ def layout_of(geometry: BlockGeometry, block_size: int, tp_size: int = 1, tp_ran
                     model=model, backend=geometry.backend,
                     # plain float dtypes are said by `dtype`; only fp8's flavour adds meaning
                     cache_dtype=geometry.cache_dtype if geometry.cache_dtype.startswith("fp8") else "auto",
-                    packing=cpu_attention_packing(geometry, block_size) if geometry.backend == "CPU_ATTN" else "",
+                    packing=(cpu_attention_packing(geometry, block_size, model_dtype) if geometry.backend == "CPU_ATTN"
+                             else ""),
                     total_kv_heads=1 if geometry.mla else total_kv_heads, physical_layout=geometry.layout)
 
 
-def cpu_attention_packing(geometry: BlockGeometry, block_size: int) -> str:
+def cpu_attention_packing(geometry: BlockGeometry, block_size: int, model_dtype: torch.dtype | None = None) -> str:
     """How vLLM's CPU attention packs a block's interior on this machine: per ISA (AMX tiles for
     bf16, vector layouts otherwise), so the same layout and dtype hold different bytes on a CPU
-    with another ISA, and a prefill on one with a decode on the other would read garbage KV."""
+    with another ISA, and a prefill on one with a decode on the other would read garbage KV.
+    vLLM chooses by the model's dtype, not the cache's: an fp8 cache is uint8 in memory while a
+    bf16 model still packs it for AMX (tests/unit/test_cpu_attn_packing.py)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # vLLM's own choice, same arguments
 
     head_size = geometry.block_shape[-1] // 2  # a CPU block's content is K and V of one head
     cache_dtype = None if geometry.cache_dtype == "auto" else geometry.cache_dtype
-    return _get_attn_isa(getattr(torch, geometry.dtype), block_size, head_size, cache_dtype)
+    dtype = model_dtype if model_dtype is not None else getattr(torch, geometry.dtype)
+    return _get_attn_isa(dtype, block_size, head_size, cache_dtype)
 
 
 def detect_layout(kv_caches: dict[str, torch.Tensor], block_size: int, cache_layout: str = "unknown",
                   tp_size: int = 1, tp_rank: int = 0, model: str = "", backend: str = "unknown",
-                  cache_dtype: str = "auto", total_kv_heads: int = 0) -> tuple[KVLayout, BlockGeometry]:
+                  cache_dtype: str = "auto", total_kv_heads: int = 0,
+                  model_dtype: torch.dtype | None = None) -> tuple[KVLayout, BlockGeometry]:
     """Check the registered caches (refusing what cannot move, naming backend, layout and dtype)
-    and return the layout peers must share, with the mover's geometry."""
+    and return the layout peers must share, with the mover's geometry. `model_dtype`: the model's
+    compute dtype (vllm_config.model_config.dtype), where it can differ from the cache's (fp8)."""
     geometry = describe_kv_caches(kv_caches, block_size=block_size, layout=cache_layout, backend=backend,
                                   cache_dtype=cache_dtype)
-    return layout_of(geometry, block_size, tp_size, tp_rank, model, total_kv_heads), geometry
+    return layout_of(geometry, block_size, tp_size, tp_rank, model, total_kv_heads, model_dtype), geometry

@@ -144,7 +144,7 @@ class TieredConnectorWorker:
         self.layout, self.geometry = detect_layout(
             kv_caches, self.block_size, self._cache_layout, self.tp_size, tp_rank, model=self._model_name,
             backend=_attention_backend(self._vllm_config), cache_dtype=self._cache_dtype,
-            total_kv_heads=_total_kv_heads(self._vllm_config))
+            total_kv_heads=_total_kv_heads(self._vllm_config), model_dtype=_model_dtype(self._vllm_config))
         try:  # needed only when a producer runs another TP size: refused then, naming layout and dtype
             self._row_layout: RowLayout | UnsupportedKVCache = geometry_row_layout(self.geometry)
         except UnsupportedKVCache as exc:
@@ -995,6 +995,13 @@ class TieredConnectorWorker:
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+def _model_dtype(vllm_config: Any) -> torch.dtype | None:
+    """The model's compute dtype (None in tests built without a model config): vLLM's CPU
+    attention picks its packing by it, also for an fp8 cache."""
+    dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _total_kv_heads(vllm_config: Any) -> int:
