@@ -322,6 +322,7 @@ class _ArenaPull:
         last = read.first_block + read.num_blocks
         with server.store.pinned_views(read.transfer_id, read.layers) as pv:
             offsets = np.concatenate([pv.offsets(layer)[read.first_block:last] for layer in read.layers]).tolist()
+            nbytes = len(offsets) * pv.slot_bytes
             wire.send_msg(sock, wire.ReadReply(ok=True, checksums=checksums, offsets=offsets, lease_ttl_s=ttl,
                                                **self.reply_fields(pv)))
             deadline = time.monotonic() + server.idle_timeout_s
@@ -335,7 +336,10 @@ class _ArenaPull:
                 server.log_unreleased(read, self.name, sock, exc)
                 hang_up(sock)
                 return
-            server.finish_offset_read(sock, read, self.name, done, len(offsets) * pv.slot_bytes)
+        # Unpinned before the answer is handled: a Release then frees the slots before its Ack, so a
+        # producer told "released" has the room back (answered inside the pin, the slots came back
+        # only after the Ack, and a stage right after it could find the store full).
+        server.finish_offset_read(sock, read, self.name, done, nbytes)
 
 
 class ShmPull(_ArenaPull):

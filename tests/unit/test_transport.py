@@ -68,6 +68,30 @@ def test_read_is_byte_exact_and_release_empties_the_store(server) -> None:
     assert status.entries == 0 and status.dram_used_bytes == 0, status
 
 
+def test_a_released_read_has_given_its_slots_back_by_the_time_the_release_is_answered(server, monkeypatch) -> None:
+    """The moment read() returns (its Release answered), the store has the room back: a stage of
+    the whole store right after succeeds. The unpin is slowed on purpose, so answering the Release
+    before unpinning (the bug) loses the race every time."""
+    import contextlib
+
+    pinned_views = server.store.pinned_views
+
+    @contextlib.contextmanager
+    def slow_unpin(*args, **kw):
+        with pinned_views(*args, **kw) as pv:
+            yield pv
+            time.sleep(0.3)
+    monkeypatch.setattr(server.store, "pinned_views", slow_unpin)
+    stage(server.store, "t1")
+    _, dest = dest_views(BLOCKS)
+    with StoreClient("127.0.0.1", server.port, compat=COMPAT) as c:
+        c.read("t1", range(LAYERS), 0, dest, fingerprint=FP, deadline=time.monotonic() + 5, path=server.data_path)
+        if server.data_path.streams:
+            c.release("t1", time.monotonic() + 5)
+        assert server.store.usage()["dram"]["used_bytes"] == 0, server.store.usage()
+        server.store.create("whole-store", 1, 64)  # every slot
+
+
 def test_partial_block_range(server) -> None:
     data = stage(server.store, "t2")
     cache, dest = dest_views(3)
