@@ -635,9 +635,13 @@ class Consumer:
         # == TieredConnectorWorker._pull_into_cache: views of the target blocks, one client per pull
         deadline = time.monotonic() + TIMEOUT_S
         dest = [memoryview(self.kv[layer][b]) for layer in range(g.num_layers) for b in self.targets_list]
+        # == Loader.direct_addrs, which the worker hands the shm and nixl paths
+        dest_addrs = None if data_path.streams else (
+            np.array([a.ctypes.data for a in self.kv], dtype=np.uint64)[:, None]
+            + self.targets.astype(np.uint64)[None, :] * np.uint64(g.slot_bytes)).reshape(-1)
         with StoreClient("127.0.0.1", port, compat=self.compat, peer_name="bench", **sealed) as client:
             nbytes = client.read(key, range(g.num_layers), 0, dest, fingerprint=FP, deadline=deadline,
-                                 verify=self.checksum, path=data_path)
+                                 verify=self.checksum, path=data_path, dest_addrs=dest_addrs)
             if data_path.streams:
                 client.release(key, deadline)  # shm and nixl released inside read()
         elapsed = time.perf_counter() - t0

@@ -48,7 +48,7 @@ from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.peers import PeerPolicy
 from kvconnectors.transport.paths import (SHM_PULL, TCP_HEADS_PULL, TCP_PULL, TCP_PUSH, NixlDevicePull, NixlPull,
-                                         NixlPush, PullPath)
+                                         NixlPush, PullPath, ShmPull)
 from kvconnectors.tiered.push_routes import (Addr, ConsumerSizes, NotPushable, PushRoute, fragment_id, is_fragment_of,
                                              push_routes)
 from kvconnectors.transport.push import PushJob, PushSender, parse_target
@@ -650,7 +650,7 @@ class TieredConnectorWorker:
         if staged is not None:
             dest = [memoryview(row) for row in staged]
         path = self._pull_path(spec, p, direct=staged is None)
-        dest_addrs = self.loader.direct_addrs(layers, targets) if isinstance(path, NixlPull) else None
+        dest_addrs = self.loader.direct_addrs(layers, targets) if isinstance(path, (NixlPull, ShmPull)) else None
         with self._producer_client(p, layout.tp_rank) as client:
             nbytes = client.read(p.transfer_id, layers, spec.first_block, dest,
                                  fingerprint=p.fingerprint, deadline=deadline,

@@ -55,15 +55,18 @@ def check_offsets(offsets: Sequence[int], slot: int, arena_bytes: int) -> np.nda
 
 
 def _copy_share(src_base: int, offs: Sequence[int], dest: Sequence[memoryview], sums: Sequence[int] | None,
-                start: int, stop: int, slot: int) -> int | None:
-    """Copy blocks start..stop; the index of the first whose checksum differs (copying stops there)."""
-    memmove, digest = ctypes.memmove, xxhash.xxh3_64_intdigest
+                start: int, stop: int, slot: int, addrs: Sequence[int] | None = None) -> int | None:
+    """Copy blocks start..stop; the index of the first whose checksum differs (copying stops there).
+    `addrs`: dest's addresses, worked out by the caller in one numpy pass (each block's Python work
+    runs under the GIL, which the two shares take turns at: taking a view's address here cost about
+    a tenth of a 64 KiB block's copy)."""
+    memmove, digest, address = ctypes.memmove, xxhash.xxh3_64_intdigest, ctypes.addressof
     for i in range(start, stop):
         view = dest[i]
         if view.nbytes != slot:  # memmove trusts the length: a shorter view would be overrun
             raise TransferError(FailureCause.PROTOCOL, f"destination block {i} holds {view.nbytes} B, "
                                                        f"the producer's slots {slot} B")
-        memmove(ctypes.addressof(ctypes.c_char.from_buffer(view)), src_base + offs[i], slot)
+        memmove(addrs[i] if addrs is not None else address(ctypes.c_char.from_buffer(view)), src_base + offs[i], slot)
         if sums is not None and digest(view) != sums[i]:
             return i
     return None
@@ -87,14 +90,20 @@ def _in_shares(work: Callable[[int, int], int | None], n: int) -> int | None:
 
 
 def copy_blocks(arena: memoryview, offsets: Sequence[int], dest: Sequence[memoryview],
-                sums: Sequence[int] | None, slot: int) -> int | None:
+                sums: Sequence[int] | None, slot: int, dest_addrs: np.ndarray | None = None) -> int | None:
     """Copy arena[offsets[i]:+slot] into dest[i] for every i (offsets checked first, `check_offsets`);
     with `sums`, the first block (lowest index) whose copy's xxh3 differs from sums[i], else None.
-    Returns only when every share has stopped: no thread writes into `dest` after this returns, and
-    `arena` (whose mapping the raw addresses point into) is held until then."""
+    `dest_addrs` (uint64, the caller's own: dest[i]'s address, as Loader.direct_addrs gives them)
+    spares taking each view's address. Returns only when every share has stopped: no thread writes
+    into `dest` after this returns, and `arena` (whose mapping the raw addresses point into) is held
+    until then."""
     offs = check_offsets(offsets, slot, len(arena)).tolist()
+    if dest_addrs is not None and len(dest_addrs) != len(dest):
+        raise TransferError(FailureCause.PROTOCOL, f"{len(dest_addrs)} destination addresses for {len(dest)} blocks")
+    addrs = None if dest_addrs is None else np.asarray(dest_addrs, dtype=np.uint64).tolist()
     src_base = np.frombuffer(arena, dtype=np.uint8).ctypes.data
-    return _in_shares(lambda start, stop: _copy_share(src_base, offs, dest, sums, start, stop, slot), len(dest))
+    return _in_shares(lambda start, stop: _copy_share(src_base, offs, dest, sums, start, stop, slot, addrs),
+                      len(dest))
 
 
 def first_mismatch(sums: Sequence[int], views: Sequence[memoryview]) -> int | None:

@@ -358,7 +358,7 @@ class ShmPull(_ArenaPull):
             raise TransferError(FailureCause.PROTOCOL, "shm reply without one offset per block")
         slot = dest[0].nbytes
         arena = _shm_arena(reply.shm_path, slot, len(dest), deadline, peer)
-        bad = block_shares.copy_blocks(arena, reply.offsets, dest, sums, slot)
+        bad = block_shares.copy_blocks(arena, reply.offsets, dest, sums, slot, dest_addrs)
         if bad is not None:
             verify_checksums(sums[bad:bad + 1], [dest[bad]], read.transfer_id, first=bad, of=len(dest))
         return slot * len(dest)

@@ -38,11 +38,14 @@ def _sums(arena: np.ndarray, order) -> list[int]:
     return [xxhash.xxh3_64_intdigest(arena[j]) for j in order]
 
 
+@pytest.mark.parametrize("addrs", [False, True], ids=["views", "dest_addrs"])
 @pytest.mark.parametrize("n", [5, 63, 64, 128, 301])  # one share (below 2 x 64 blocks) and two
-def test_copy_blocks_lands_every_block_where_asked_and_nothing_else(n):
+def test_copy_blocks_lands_every_block_where_asked_and_nothing_else(n, addrs):
     arena = _arena(n)
     cache, rows, order, offs, dest = _scattered(arena)
-    assert block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, _sums(arena, order), SLOT) is None
+    dest_addrs = np.uint64(cache.ctypes.data) + rows.astype(np.uint64) * np.uint64(SLOT) if addrs else None
+    assert block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, _sums(arena, order), SLOT,
+                                    dest_addrs) is None
     assert np.array_equal(cache[rows], arena[order])
     others = np.setdiff1d(np.arange(len(cache)), rows)
     assert not cache[others].any()
@@ -133,3 +136,13 @@ def test_called_from_a_pool_thread_it_runs_inline_instead_of_waiting_on_itself()
     sums[200] ^= 1
     nested = block_shares._executor().submit(block_shares.first_mismatch, sums, views)
     assert nested.result(timeout=10) == 200  # the pool's one thread would wait on its own queue
+
+
+def test_destination_addresses_must_be_one_per_block():
+    arena = _arena(8)
+    cache, rows, order, offs, dest = _scattered(arena)
+    addrs = np.uint64(cache.ctypes.data) + rows.astype(np.uint64)[:-1] * np.uint64(SLOT)
+    with pytest.raises(TransferError) as exc:
+        block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, None, SLOT, addrs)
+    assert "7 destination addresses for 8 blocks" in exc.value.detail
+    assert not cache.any()
