@@ -6,6 +6,8 @@ on, one xxh3 of the destination right after its copy, while it is still in cache
 CPU, not memory traffic). `first_mismatch` (nixl, after its READ): the xxh3 of each block. Both
 calls release the GIL, so shares overlap; one thread could not keep up with a plain scattered
 gather once it also hashes (#15 item 9). Small pulls stay on the calling thread.
+`CheckBehind` (tcp): each layer's checksums are checked on another thread while the next layer is
+still arriving, so a streamed read does not stop receiving to hash.
 """
 
 from __future__ import annotations
@@ -112,3 +114,41 @@ def first_mismatch(sums: Sequence[int], views: Sequence[memoryview]) -> int | No
         digest = xxhash.xxh3_64_intdigest
         return next((i for i in range(start, stop) if digest(views[i]) != sums[i]), None)
     return _in_shares(share, min(len(sums), len(views)))
+
+
+_behind: ThreadPoolExecutor | None = None
+
+
+def _behind_executor() -> ThreadPoolExecutor:
+    global _behind
+    with _pool_lock:
+        if _behind is None:
+            _behind = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="kvc-check")
+        return _behind
+
+
+class CheckBehind:
+    """Checks blocks' xxh3 on another thread while the caller goes on receiving the next ones:
+    `add(first, views)` for each run as it lands, `first_mismatch()` once all have (the lowest
+    mismatching index, else None). `close()` waits for checks still running (the views are the
+    caller's to reuse after it)."""
+
+    def __init__(self, sums: Sequence[int]):
+        self.sums = sums
+        self._checks: list[Future] = []
+
+    def add(self, first: int, views: Sequence[memoryview]) -> None:
+        sums = self.sums
+
+        def check() -> int | None:
+            digest = xxhash.xxh3_64_intdigest
+            return next((first + i for i, v in enumerate(views) if digest(v) != sums[first + i]), None)
+        self._checks.append(_behind_executor().submit(check))
+
+    def first_mismatch(self) -> int | None:
+        found = [f.result() for f in self._checks]
+        return min((i for i in found if i is not None), default=None)
+
+    def close(self) -> None:
+        for f in self._checks:
+            f.exception()  # waits; a check's own error is the caller's to see via first_mismatch

@@ -256,18 +256,28 @@ def _layers_from_tiers(store, read: wire.Read) -> Iterator[list[memoryview]]:
 def _recv_scattered(sock: socket.socket, transfer_id: str, dest: Sequence[memoryview], per_layer: int,
                     deadline: float, sums: list[int] | None) -> None:
     """Receive the blocks straight into `dest`, one recvmsg_into per layer (partial receives
-    resume where they stopped), and verify each layer's checksums as soon as it has landed.
+    resume where they stopped); each layer's checksums are checked on another thread as soon as
+    it has landed, while the next layer arrives (block_shares.CheckBehind); the lowest
+    mismatching block fails the read once every byte is in.
 
     Few large reads instead of one per block: every socket call gives up the GIL, and taking it
     back behind a busy engine thread costs up to a switch interval (5 ms) each time.
     """
     total, got = len(dest[0]) * len(dest), 0
-    for start in range(0, len(dest), per_layer):
-        layer = dest[start:start + per_layer]
-        for i in range(0, len(layer), IOV_MAX):
-            got = _recv_views(sock, list(layer[i:i + IOV_MAX]), deadline, got, total)
-        if sums is not None:
-            verify_checksums(sums[start:start + per_layer], layer, transfer_id, first=start, of=len(dest))
+    behind = block_shares.CheckBehind(sums) if sums is not None else None
+    try:
+        for start in range(0, len(dest), per_layer):
+            layer = dest[start:start + per_layer]
+            for i in range(0, len(layer), IOV_MAX):
+                got = _recv_views(sock, list(layer[i:i + IOV_MAX]), deadline, got, total)
+            if behind is not None:
+                behind.add(start, layer)
+        bad = behind.first_mismatch() if behind is not None else None
+    finally:
+        if behind is not None:
+            behind.close()
+    if bad is not None:
+        verify_checksums(sums[bad:bad + 1], [dest[bad]], transfer_id, first=bad, of=len(dest))
 
 
 def _recv_views(sock: socket.socket, views: list[memoryview], deadline: float, got: int, total: int) -> int:

@@ -146,3 +146,47 @@ def test_destination_addresses_must_be_one_per_block():
         block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, None, SLOT, addrs)
     assert "7 destination addresses for 8 blocks" in exc.value.detail
     assert not cache.any()
+
+
+def test_check_behind_names_the_lowest_mismatching_block_of_any_run():
+    arena = _arena(12)
+    views = [memoryview(arena[i]) for i in range(12)]
+    sums = [xxhash.xxh3_64_intdigest(v) for v in views]
+    sums[9] ^= 1
+    sums[5] ^= 1  # in the second run: found although the third run's check may finish first
+    behind = block_shares.CheckBehind(sums)
+    for first in (0, 4, 8):
+        behind.add(first, views[first:first + 4])
+    assert behind.first_mismatch() == 5
+    behind.close()
+    clean = block_shares.CheckBehind([xxhash.xxh3_64_intdigest(v) for v in views])
+    clean.add(0, views)
+    assert clean.first_mismatch() is None
+
+
+def test_check_behind_lets_the_caller_go_on_while_a_run_is_checked(monkeypatch):
+    """add() returns while its check is still running (held here); first_mismatch() waits for it."""
+    gate = threading.Event()
+    real = xxhash.xxh3_64_intdigest
+
+    class HeldXxhash:
+        @staticmethod
+        def xxh3_64_intdigest(view):
+            assert gate.wait(10)
+            return real(view)
+    monkeypatch.setattr(block_shares, "xxhash", HeldXxhash)
+    arena = _arena(4)
+    views = [memoryview(arena[i]) for i in range(4)]
+    behind = block_shares.CheckBehind([real(v) for v in views])
+    t0 = time.monotonic()
+    behind.add(0, views)
+    assert time.monotonic() - t0 < 1.0
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(behind.first_mismatch()), daemon=True)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "first_mismatch() returned before the held check ran"
+    gate.set()
+    waiter.join(10)
+    assert result == [None]
+    behind.close()
