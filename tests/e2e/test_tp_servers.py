@@ -14,8 +14,9 @@ allows.
 Each way: greedy identity with colocated over block-boundary prompts, then the negative control
 (KV silently corrupted where the data path delivered it changes the tokens of requests that
 complete normally), then nothing held on any rank; last, a producer rank killed while a sliced
-read of it is held fails that request typed, naming the rank, and the decode ranks hold nothing
-and keep serving.
+read of it is held fails that request typed, naming the rank, the decode ranks hold nothing
+and keep serving, and no producer rank holds the request (its store is gone with the instance,
+or empty).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvconnectors.errors import KVConnectorError
 from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import complete, post_json, process_tree
 from kvconnectors.store.arena import ARENA_NAME, SHM_DIR
@@ -34,7 +36,7 @@ from kvconnectors.transport.client import store_status
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
-from kvconnectors.testing.leaks import assert_pd_idle, cluster_stores
+from kvconnectors.testing.leaks import HELD_FIELDS, assert_pd_idle, cluster_stores
 from kvconnectors.testing.metrics import by_label, failures_by_cause, total
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
 
@@ -82,6 +84,23 @@ def kill_rank(server, rank: int, tp: int) -> None:
     workers = [p for p in process_tree(server.pid) if any(a.endswith(f"::{title}") for a in p.cmdline()[:1])]
     assert len(workers) == 1, [p.cmdline()[:1] for p in process_tree(server.pid)]
     os.kill(workers[0].pid, signal.SIGKILL)
+
+
+def held_by_surviving(store, timeout: float) -> str:
+    """What a prefill rank's store still holds after a rank of its instance was killed ("" when
+    nothing: the store went down with the instance, or its entries were released), bounded wait."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status = store_status(store.host, store.port, timeout_s=2)
+        except (KVConnectorError, OSError):
+            return ""  # not listening: the instance went down with its killed rank
+        held = {f: getattr(status, f) for f in HELD_FIELDS if getattr(status, f)}
+        if not held:
+            return ""
+        if time.monotonic() > deadline:
+            return f"{store.owner}'s store {store.host}:{store.port} still holds {held}"
+        time.sleep(0.5)
 
 
 def shm_arenas() -> list[str]:
@@ -161,6 +180,9 @@ def test_pools_of_different_tp_equal_colocated_pushed_and_pulled(tiny_model, pro
         text = str(getattr(failed.value, "body", "")) + str(failed.value)
         assert "[peer_unreachable]" in text and f"producer rank {rank} of {prefill_tp}" in text, text
         assert_pd_idle(pd, producer_alive=False, timeout=30)
+        # every other producer rank holds nothing either: gone with its instance, or released
+        held = [h for st in cluster_stores(pd) if st.role == "prefill" for h in [held_by_surviving(st, 30)] if h]
+        assert not held, held
         causes = failures_by_cause(pd.decode[0])  # each consumer rank counts its own failed load
         assert set(causes) == {"peer_unreachable"} and 1 <= causes["peer_unreachable"] <= decode_tp, causes
         served = complete(pd.decode[0].url, prompts[1], model=pd.decode[0].served_model_name, max_tokens=MAX_TOKENS)
