@@ -989,12 +989,14 @@ class TieredConnectorWorker:
         if self.server is not None:
             self.server.close()
             self.server = None
-        ops = getattr(self, "ops", None)  # set by register_kv_caches
-        if ops is not None:
-            ops.close()  # the copy stream; CUDA: unpins the arena, so before the store unmaps it
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        ops, self.ops = getattr(self, "ops", None), None  # set by register_kv_caches
+        try:
+            if ops is not None:
+                ops.close()  # the copy stream; CUDA: unpins the arena, so before the store unmaps it
+        finally:
+            if self.store is not None:
+                self.store.close()
+                self.store = None
 
 
 def _model_dtype(vllm_config: Any) -> torch.dtype | None:

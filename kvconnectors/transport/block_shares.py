@@ -150,5 +150,9 @@ class CheckBehind:
         return min((i for i in found if i is not None), default=None)
 
     def close(self) -> None:
+        """Cancel checks not started yet (a failed receive needs none of them) and wait for the rest."""
         for f in self._checks:
-            f.exception()  # waits; a check's own error is the caller's to see via first_mismatch
+            f.cancel()
+        for f in self._checks:
+            if not f.cancelled():
+                f.exception()  # waits; a check's own error is the caller's to see via first_mismatch

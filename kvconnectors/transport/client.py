@@ -204,6 +204,9 @@ class StoreClient:
         # usual control-frame limit, still bounded by what this read asked for.
         reply = self._expect(wire.ReadReply, deadline, wire.MAX_CONTROL_BYTES + 32 * len(dest))
         sums = reply.checksums if verify else None
+        if sums is not None and len(sums) != len(dest):  # each block is checked against its own sum
+            raise TransferError(FailureCause.PROTOCOL, f"producer {self.address} sent {len(sums)} checksums "
+                                                       f"for {len(dest)} blocks")
 
         def pull() -> int:
             return path.read_into(self.sock, self.address, read, reply, dest, deadline=deadline, sums=sums,

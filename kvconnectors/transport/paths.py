@@ -143,10 +143,15 @@ def verify_checksums(expected: Sequence[int], dest: Sequence[memoryview], transf
     hashed in parallel shares (block_shares.py), the lowest mismatching block is the one named."""
     bad = block_shares.first_mismatch(expected, dest)
     if bad is not None:
-        got, want = block_checksum(dest[bad]), expected[bad]
-        raise TransferError(FailureCause.CHECKSUM_MISMATCH, (
-            f"transfer {transfer_id!r}: block {first + bad} of {of or len(dest)} has checksum {got:016x}, "
-            f"producer staged {want:016x}"))
+        raise checksum_mismatch(transfer_id, first + bad, of or len(dest), dest[bad], expected[bad])
+
+
+def checksum_mismatch(transfer_id: str, index: int, of: int, view, want: int) -> TransferError:
+    """The error for block `index` of `of`, found not to match its staged checksum `want` (raised
+    as found: the view is hashed again only to say what it holds)."""
+    return TransferError(FailureCause.CHECKSUM_MISMATCH, (
+        f"transfer {transfer_id!r}: block {index} of {of} has checksum {block_checksum(view):016x}, "
+        f"producer staged {want:016x}"))
 
 
 # ====================================================================== pull: tcp
@@ -277,7 +282,7 @@ def _recv_scattered(sock: socket.socket, transfer_id: str, dest: Sequence[memory
         if behind is not None:
             behind.close()
     if bad is not None:
-        verify_checksums(sums[bad:bad + 1], [dest[bad]], transfer_id, first=bad, of=len(dest))
+        raise checksum_mismatch(transfer_id, bad, len(dest), dest[bad], sums[bad])
 
 
 def _recv_views(sock: socket.socket, views: list[memoryview], deadline: float, got: int, total: int) -> int:
@@ -370,7 +375,7 @@ class ShmPull(_ArenaPull):
         arena = _shm_arena(reply.shm_path, slot, len(dest), deadline, peer)
         bad = block_shares.copy_blocks(arena, reply.offsets, dest, sums, slot, dest_addrs)
         if bad is not None:
-            verify_checksums(sums[bad:bad + 1], [dest[bad]], read.transfer_id, first=bad, of=len(dest))
+            raise checksum_mismatch(read.transfer_id, bad, len(dest), dest[bad], sums[bad])
         return slot * len(dest)
 
 

@@ -9,13 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvconnectors.integration.cluster import PDCluster
-from kvconnectors.serving import complete
+from kvconnectors.serving import CPU_DEFAULT_ARGS, complete
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
 from kvconnectors.testing.metrics import total
 from kvconnectors.transport.client import store_status
+
+MAX_MODEL_LEN = int(CPU_DEFAULT_ARGS[CPU_DEFAULT_ARGS.index("--max-model-len") + 1])  # what PDCluster starts with
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
@@ -167,7 +169,9 @@ def test_refused_pushes_fall_back_to_pull_also_when_queued_past_the_lease_ttl(de
         t0 = time.monotonic()
         dec.complete(prompts[0], max_tokens=200, timeout=120)  # straight to the decode: no push
         per_token = (time.monotonic() - t0) / 200
-        busy_tokens = min(3500, int(5 * ttl / per_token) + 1)  # the blocker runs >= 5 x the TTL
+        # the blocker runs >= 5 x the TTL, within the servers' context (a faster host measures a smaller
+        # per_token: 3,500 tokens after a 16-token prompt were refused 400 by a 2,048-token server)
+        busy_tokens = min(MAX_MODEL_LEN - 16, int(5 * ttl / per_token) + 1)
         with ThreadPoolExecutor(1 + len(long_ids)) as pool:
             blocker = pool.submit(dec.complete, prompts[1][:16], max_tokens=busy_tokens, timeout=300)
             time.sleep(0.5)  # the blocker holds the decode's only sequence slot

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvconnectors.errors import KVConnectorError
+from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import complete, post_json, process_tree
 from kvconnectors.store.arena import ARENA_NAME, SHM_DIR
@@ -88,16 +88,20 @@ def kill_rank(server, rank: int, tp: int) -> None:
 
 def held_by_surviving(store, timeout: float) -> str:
     """What a prefill rank's store still holds after a rank of its instance was killed ("" when
-    nothing: the store went down with the instance, or its entries were released), bounded wait."""
+    nothing: the store went down with the instance, or its entries were released), bounded wait.
+    Only a refused connection counts as gone; any other failure to ask is retried, then reported."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            status = store_status(store.host, store.port, timeout_s=2)
-        except (KVConnectorError, OSError):
-            return ""  # not listening: the instance went down with its killed rank
-        held = {f: getattr(status, f) for f in HELD_FIELDS if getattr(status, f)}
-        if not held:
-            return ""
+            status = store_status(store.host, store.port, timeout_s=2, protection=store.protection)
+        except TransferError as exc:
+            if exc.cause is FailureCause.PEER_UNREACHABLE and "refused" in exc.detail.lower():
+                return ""  # nothing listens: the instance went down with its killed rank
+            held = {"status": str(exc)}
+        else:
+            held = {f: getattr(status, f) for f in HELD_FIELDS if getattr(status, f)}
+            if not held:
+                return ""
         if time.monotonic() > deadline:
             return f"{store.owner}'s store {store.host}:{store.port} still holds {held}"
         time.sleep(0.5)

@@ -92,6 +92,26 @@ def test_a_released_read_has_given_its_slots_back_by_the_time_the_release_is_ans
         server.store.create("whole-store", 1, 64)  # every slot
 
 
+def test_a_reply_with_a_checksum_missing_is_refused_before_anything_lands(server, monkeypatch) -> None:
+    """Each block is checked against its own checksum: a reply with fewer checksums than blocks is a
+    protocol error (it used to leave the blocks past the list unchecked)."""
+    stage(server.store, "t1")
+    real = StoreClient._expect
+
+    def one_short(self, kind, *args, **kw):
+        msg = real(self, kind, *args, **kw)
+        if isinstance(msg, wire.ReadReply) and msg.checksums:
+            msg.checksums = msg.checksums[:-1]
+        return msg
+    monkeypatch.setattr(StoreClient, "_expect", one_short)
+    cache, dest = dest_views(BLOCKS)
+    with StoreClient("127.0.0.1", server.port, compat=COMPAT) as c:
+        with pytest.raises(TransferError) as exc:
+            c.read("t1", range(LAYERS), 0, dest, fingerprint=FP, deadline=time.monotonic() + 5, path=server.data_path)
+    assert exc.value.cause is FailureCause.PROTOCOL and f"{LAYERS * BLOCKS - 1} checksums for" in exc.value.detail
+    assert not cache.any()
+
+
 def test_partial_block_range(server) -> None:
     data = stage(server.store, "t2")
     cache, dest = dest_views(3)
