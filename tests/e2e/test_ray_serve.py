@@ -128,7 +128,9 @@ def test_push_one_prefill_two_decodes_and_a_decode_killed(cluster, http_port, ti
 
     def one(p: list[int]) -> str:
         try:
-            complete(url, p, model=MODEL, max_tokens=400, timeout=120)
+            # long enough to still be in flight at the kill on a fast host too (with 400 tokens every
+            # request once finished within the 3 s before it): prompts of 100 + 1,200 < the 2,048 context
+            complete(url, p, model=MODEL, max_tokens=1200, timeout=120)
             return "completed"
         except Exception as exc:  # the ingress's HTTP 500
             return f"error: {exc} {getattr(exc, 'read', lambda: b'')().decode(errors='replace')[:300]}"
