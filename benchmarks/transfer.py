@@ -442,6 +442,12 @@ class Consumer:
         self.compat = wire.compat_hash(COMPAT_TAG)
 
     # ------------------------------------------------------------------ set-up per path
+    def target_addrs(self) -> np.ndarray:
+        """uint64 address of every target block, layer-major (as Loader.direct_addrs gives the worker)."""
+        layer_base = np.array([a.ctypes.data for a in self.kv], dtype=np.uint64)
+        return (layer_base[:, None] + self.targets.astype(np.uint64)[None, :]
+                * np.uint64(self.geom.slot_bytes)).reshape(-1)
+
     def setup(self, path: str) -> None:
         info = self.producer.info if self.producer else {}
         if path in info.get("errors", {}):
@@ -500,9 +506,7 @@ class Consumer:
         self.nx_handles.append(("mem", agent.register_memory(regs, "DRAM")))
         peer = agent.add_remote_agent(meta)
         self.nx_peer = peer
-        layer_base = np.array([a.ctypes.data for a in self.kv], dtype=np.uint64)
-        loc = nx.xfer_descs((layer_base[:, None] + self.targets.astype(np.uint64)[None, :]
-                             * np.uint64(g.slot_bytes)).ravel(), g.slot_bytes)
+        loc = nx.xfer_descs(self.target_addrs(), g.slot_bytes)
         rem = nx.xfer_descs(np.uint64(remote_base) + np.arange(g.num_slots, dtype=np.uint64)
                             * np.uint64(g.slot_bytes), g.slot_bytes)
         self.nx_loc = agent.prep_xfer_dlist("NIXL_INIT_AGENT", loc, "DRAM")
@@ -527,9 +531,7 @@ class Consumer:
             if rc != 0:
                 raise RuntimeError(f"consumer TransferEngine.register_memory = {rc}")
         self.te, self.mc_session = te, session
-        layer_base = np.array([a.ctypes.data for a in self.kv], dtype=np.uint64)
-        self.mc_local = (layer_base[:, None] + self.targets.astype(np.uint64)[None, :]
-                         * np.uint64(g.slot_bytes)).ravel().tolist()
+        self.mc_local = self.target_addrs().tolist()
         self.mc_remote = (np.uint64(remote_base) + np.arange(g.num_slots, dtype=np.uint64)
                           * np.uint64(g.slot_bytes)).tolist()
         self.mc_len = [g.slot_bytes] * g.num_slots
@@ -635,10 +637,7 @@ class Consumer:
         # == TieredConnectorWorker._pull_into_cache: views of the target blocks, one client per pull
         deadline = time.monotonic() + TIMEOUT_S
         dest = [memoryview(self.kv[layer][b]) for layer in range(g.num_layers) for b in self.targets_list]
-        # == Loader.direct_addrs, which the worker hands the shm and nixl paths
-        dest_addrs = None if data_path.streams else (
-            np.array([a.ctypes.data for a in self.kv], dtype=np.uint64)[:, None]
-            + self.targets.astype(np.uint64)[None, :] * np.uint64(g.slot_bytes)).reshape(-1)
+        dest_addrs = None if data_path.streams else self.target_addrs()  # the worker hands shm and nixl these
         with StoreClient("127.0.0.1", port, compat=self.compat, peer_name="bench", **sealed) as client:
             nbytes = client.read(key, range(g.num_layers), 0, dest, fingerprint=FP, deadline=deadline,
                                  verify=self.checksum, path=data_path, dest_addrs=dest_addrs)
