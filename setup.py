@@ -13,7 +13,7 @@ collide with users' own modules.
 import runpy
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 HERE = Path(__file__).resolve().parent
 # The version and the supported vLLM range, read without importing the package.
@@ -98,6 +98,14 @@ EXTRAS = {
 EXTRAS["dev"] = [*EXTRAS["conformance"], *EXTRAS["plot"], "pytest-timeout>=2.3", "hypothesis>=6.100"]
 
 
+# The shm pull's per-block copy and checksum check in C (kvconnectors/_native/blockcopy.c). Optional:
+# without a C compiler the package installs and transport/block_shares.py copies in Python instead,
+# slower (tests/unit/test_block_shares.py says when the build is missing).
+NATIVE = [Extension("kvconnectors._blockcopy", sources=["kvconnectors/_native/blockcopy.c"],
+                    include_dirs=["kvconnectors/_native"], depends=["kvconnectors/_native/xxhash.h"],
+                    extra_compile_args=["-O3"], optional=True)]
+
+
 def packages() -> list[str]:
     """kvconnectors' own packages, and the mapped folders' packages under their installed names."""
     found = find_packages(include=["kvconnectors", "kvconnectors.*"])
@@ -120,6 +128,7 @@ setup(
     # Example --kv-transfer-config files and their README; the Ray Serve config and KubeRay manifests. (kvconnectors/py.typed needs no entry:
     # setuptools >= 69 ships py.typed files by itself.)
     package_data={"kvconnectors.integration": ["configs/*.json", "configs/*.md", "ray/*.yaml", "ray/*.md"]},
+    ext_modules=NATIVE,
     install_requires=CORE,
     extras_require=EXTRAS,
     entry_points={

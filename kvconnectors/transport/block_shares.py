@@ -1,11 +1,13 @@
 """A pull's per-block work split into parallel shares: the shm copy and the checksum check.
 
 One share per thread (a contiguous run of the block list), the calling thread running the first.
-`copy_blocks` (shm): each block is one `memmove` out of the mapped arena and, when checksums are
-on, one xxh3 of the destination right after its copy, while it is still in cache (so verifying adds
-CPU, not memory traffic). `first_mismatch` (nixl, after its READ): the xxh3 of each block. Both
-calls release the GIL, so shares overlap; one thread could not keep up with a plain scattered
-gather once it also hashes (#15 item 9). Small pulls stay on the calling thread.
+`copy_blocks` (shm): each block is copied out of the mapped arena and, when checksums are on, hashed
+(xxh3) while it is still in cache, so verifying adds CPU, not memory traffic. Natively
+(kvconnectors._blockcopy, built from kvconnectors/_native/blockcopy.c) a share runs without the GIL
+and writes with streaming stores, hashing the source slot it has just read; without the build, each
+block is one `memmove` and one xxh3 of the destination in Python, slower (the shares take turns at
+the GIL). `first_mismatch` (nixl, after its READ): the xxh3 of each block. Small pulls stay on the
+calling thread.
 `CheckBehind` (tcp): each layer's checksums are checked on another thread while the next layer is
 still arriving, so a streamed read does not stop receiving to hash.
 """
@@ -22,6 +24,11 @@ import numpy as np
 import xxhash
 
 from kvconnectors.errors import FailureCause, TransferError
+
+try:  # the C loop (setup.py NATIVE); None where the package was installed without a compiler
+    from kvconnectors import _blockcopy as native
+except ImportError:
+    native = None
 
 # At most this many threads work on one pull (the caller + THREADS - 1 pool threads).
 THREADS = max(1, min(2, os.cpu_count() or 1))
@@ -96,16 +103,38 @@ def copy_blocks(arena: memoryview, offsets: Sequence[int], dest: Sequence[memory
     """Copy arena[offsets[i]:+slot] into dest[i] for every i (offsets checked first, `check_offsets`);
     with `sums`, the first block (lowest index) whose copy's xxh3 differs from sums[i], else None.
     `dest_addrs` (uint64, the caller's own: dest[i]'s address, as Loader.direct_addrs gives them)
-    spares taking each view's address. Returns only when every share has stopped: no thread writes
-    into `dest` after this returns, and `arena` (whose mapping the raw addresses point into) is held
-    until then."""
-    offs = check_offsets(offsets, slot, len(arena)).tolist()
+    spares taking each view's address; the caller vouches that each holds `slot` bytes, as it vouches
+    for the address itself (without them, each view's size is checked). Returns only when every
+    share has stopped: no thread writes into `dest` after this returns, and `arena` (whose mapping the
+    raw addresses point into) is held until then."""
+    offs = check_offsets(offsets, slot, len(arena))
     if dest_addrs is not None and len(dest_addrs) != len(dest):
         raise TransferError(FailureCause.PROTOCOL, f"{len(dest_addrs)} destination addresses for {len(dest)} blocks")
-    addrs = None if dest_addrs is None else np.asarray(dest_addrs, dtype=np.uint64).tolist()
     src_base = np.frombuffer(arena, dtype=np.uint8).ctypes.data
-    return _in_shares(lambda start, stop: _copy_share(src_base, offs, dest, sums, start, stop, slot, addrs),
-                      len(dest))
+    if native is None:
+        addrs = None if dest_addrs is None else np.asarray(dest_addrs, dtype=np.uint64).tolist()
+        offs_list = offs.tolist()
+        return _in_shares(lambda start, stop: _copy_share(src_base, offs_list, dest, sums, start, stop, slot, addrs),
+                          len(dest))
+    addrs_arr = _addresses(dest, slot) if dest_addrs is None else np.ascontiguousarray(dest_addrs, dtype=np.uint64)
+    sums_arr = None if sums is None else np.asarray(sums, dtype=np.uint64)
+    raw = (src_base, offs.ctypes.data, addrs_arr.ctypes.data, 0 if sums_arr is None else sums_arr.ctypes.data)
+
+    def share(start: int, stop: int) -> int | None:  # (the arrays above stay alive until every share stops)
+        bad = native.copy_verify(*raw, start, stop, slot)
+        return None if bad < 0 else bad
+    return _in_shares(share, len(dest))
+
+
+def _addresses(dest: Sequence[memoryview], slot: int) -> np.ndarray:
+    """Each writable view's address, once its size is checked (the native copy trusts the length)."""
+    out = np.empty(len(dest), dtype=np.uint64)
+    for i, view in enumerate(dest):
+        if view.nbytes != slot:
+            raise TransferError(FailureCause.PROTOCOL, f"destination block {i} holds {view.nbytes} B, "
+                                                       f"the producer's slots {slot} B")
+        out[i] = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return out
 
 
 def first_mismatch(sums: Sequence[int], views: Sequence[memoryview]) -> int | None:

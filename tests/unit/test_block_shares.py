@@ -1,4 +1,6 @@
-"""block_shares: the shm copy and the checksum check split over threads (issue 15 item 9)."""
+"""block_shares: the shm copy and the checksum check split over threads (issue 15 item 9), in C
+(kvconnectors._blockcopy) and in Python (the fallback where the package was built without a
+compiler): every copy_blocks test runs on both."""
 
 from __future__ import annotations
 
@@ -18,6 +20,49 @@ SLOT = 256
 @pytest.fixture(autouse=True)
 def two_threads(monkeypatch):
     monkeypatch.setattr(block_shares, "THREADS", 2)
+
+
+@pytest.fixture(params=["native", "python"])
+def impl(request, monkeypatch) -> str:
+    """Which copy_blocks runs: the C loop, or the Python one (native taken away)."""
+    if request.param == "native":
+        assert block_shares.native is not None, NOT_BUILT
+    else:
+        monkeypatch.setattr(block_shares, "native", None)
+    return request.param
+
+
+NOT_BUILT = ("kvconnectors._blockcopy is not built: reinstall with a C compiler (pip install -e . builds "
+             "kvconnectors/_native/blockcopy.c); shm pulls fall back to the slower Python copy")
+
+
+def test_the_native_copy_is_built():
+    """The project's environments build it (setup.py NATIVE is optional, so a failed build would
+    otherwise only show as slower shm pulls)."""
+    assert block_shares.native is not None, NOT_BUILT
+    assert block_shares.native.STREAMING_STORES in (0, 1)
+
+
+def _spy_shares(monkeypatch, impl: str, spy) -> None:
+    """Call spy(thread_name) at the start of every share of copy_blocks, whichever impl runs."""
+    if impl == "python":
+        real = block_shares._copy_share
+
+        def python_share(*args):
+            spy()
+            return real(*args)
+        monkeypatch.setattr(block_shares, "_copy_share", python_share)
+        return
+    real_native = block_shares.native
+
+    class Spied:
+        STREAMING_STORES = real_native.STREAMING_STORES
+
+        @staticmethod
+        def copy_verify(*args):
+            spy()
+            return real_native.copy_verify(*args)
+    monkeypatch.setattr(block_shares, "native", Spied)
 
 
 def _arena(n: int, seed: int = 0) -> np.ndarray:
@@ -40,7 +85,7 @@ def _sums(arena: np.ndarray, order) -> list[int]:
 
 @pytest.mark.parametrize("addrs", [False, True], ids=["views", "dest_addrs"])
 @pytest.mark.parametrize("n", [5, 63, 64, 128, 301])  # one share (below 2 x 64 blocks) and two
-def test_copy_blocks_lands_every_block_where_asked_and_nothing_else(n, addrs):
+def test_copy_blocks_lands_every_block_where_asked_and_nothing_else(n, addrs, impl):
     arena = _arena(n)
     cache, rows, order, offs, dest = _scattered(arena)
     dest_addrs = np.uint64(cache.ctypes.data) + rows.astype(np.uint64) * np.uint64(SLOT) if addrs else None
@@ -51,15 +96,9 @@ def test_copy_blocks_lands_every_block_where_asked_and_nothing_else(n, addrs):
     assert not cache[others].any()
 
 
-def test_both_shares_run_at_once_on_two_threads(monkeypatch):
+def test_both_shares_run_at_once_on_two_threads(monkeypatch, impl):
     seen: set[str] = set()
-    real = block_shares._copy_share
-
-    def spy(*args):
-        seen.add(threading.current_thread().name)
-        return real(*args)
-
-    monkeypatch.setattr(block_shares, "_copy_share", spy)
+    _spy_shares(monkeypatch, impl, lambda: seen.add(threading.current_thread().name))
     arena = _arena(256)
     _, _, order, offs, dest = _scattered(arena)
     block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, None, SLOT)
@@ -67,7 +106,7 @@ def test_both_shares_run_at_once_on_two_threads(monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [[10], [200], [30, 200], [140, 250]])
-def test_the_lowest_mismatching_block_is_reported_whichever_share_found_it(bad):
+def test_the_lowest_mismatching_block_is_reported_whichever_share_found_it(bad, impl):
     arena = _arena(256)
     _, _, order, offs, dest = _scattered(arena)
     sums = _sums(arena, order)
@@ -88,7 +127,7 @@ def test_first_mismatch_none_when_every_block_matches():
 
 @pytest.mark.parametrize("off, why", [(SLOT + 1, "slot"), (-SLOT, "outside"), (200 * SLOT, "outside"),
                                       (2**64 - 1, "outside")])
-def test_a_bad_offset_anywhere_is_refused_before_anything_is_copied(off, why):
+def test_a_bad_offset_anywhere_is_refused_before_anything_is_copied(off, why, impl):
     arena = _arena(200)
     cache, _, order, offs, dest = _scattered(arena)
     offs[-1] = off  # the last block: copying would have started long before it in a per-block check
@@ -98,7 +137,7 @@ def test_a_bad_offset_anywhere_is_refused_before_anything_is_copied(off, why):
     assert not cache.any()
 
 
-def test_a_short_destination_is_refused_not_overrun_and_every_share_has_stopped():
+def test_a_short_destination_is_refused_not_overrun_and_every_share_has_stopped(impl):
     arena = _arena(256)
     cache, rows, order, offs, dest = _scattered(arena)
     guard = np.zeros(2 * SLOT, dtype=np.uint8)
@@ -107,12 +146,15 @@ def test_a_short_destination_is_refused_not_overrun_and_every_share_has_stopped(
         block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, None, SLOT)
     assert exc.value.cause == FailureCause.PROTOCOL and "destination block 200" in str(exc.value)
     assert not guard.any()
-    # the first share ran to its end before copy_blocks raised: nothing writes into dest after it
-    first_share = cache[rows[:128]].copy()
-    assert np.array_equal(first_share, arena[order[:128]])
+    if impl == "python":  # it checks each block as it goes: the first share ran to its end before it raised
+        first_share = cache[rows[:128]].copy()
+        assert np.array_equal(first_share, arena[order[:128]])
+    else:  # every view's size is checked before anything is copied
+        assert not cache.any()
 
 
 def test_a_share_that_fails_at_once_still_waits_for_the_others(monkeypatch):
+    monkeypatch.setattr(block_shares, "native", None)  # (the native copy checks every view before copying)
     real = block_shares._copy_share
 
     def slow_in_the_pool(*args):
@@ -138,7 +180,56 @@ def test_called_from_a_pool_thread_it_runs_inline_instead_of_waiting_on_itself()
     assert nested.result(timeout=10) == 200  # the pool's one thread would wait on its own queue
 
 
-def test_destination_addresses_must_be_one_per_block():
+def test_the_calling_share_waits_for_the_pool_share_natively_too(monkeypatch):
+    """A native share that found a mismatch at once still waits for the other share to stop."""
+    assert block_shares.native is not None, NOT_BUILT
+    real = block_shares.native
+    finished: list[float] = []
+
+    class SlowInThePool:
+        STREAMING_STORES = real.STREAMING_STORES
+
+        @staticmethod
+        def copy_verify(*args):
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(0.3)
+                out = real.copy_verify(*args)
+                finished.append(time.monotonic())
+                return out
+            return real.copy_verify(*args)
+    monkeypatch.setattr(block_shares, "native", SlowInThePool)
+    arena = _arena(256)
+    cache, rows, order, offs, dest = _scattered(arena)
+    sums = _sums(arena, order)
+    sums[0] ^= 1
+    assert block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, sums, SLOT) == 0
+    assert finished, "copy_blocks returned before the pool's share stopped"
+    assert np.array_equal(cache[rows[128:]], arena[order[128:]])
+
+
+@pytest.mark.parametrize("shape", ["aligned", "unaligned_dest", "odd_slot"])
+def test_native_copy_streams_or_falls_back_and_checks_either_way(shape):
+    """Streaming stores need 16-byte aligned destinations and whole 64-byte lines; otherwise a plain
+    copy (which hashes the destination). A corrupted arena slot is found on both ways."""
+    assert block_shares.native is not None, NOT_BUILT
+    slot = 200 if shape == "odd_slot" else SLOT
+    n = 150
+    arena = np.random.default_rng(3).integers(0, 256, (n, slot), dtype=np.uint8)
+    backing = np.zeros(2 * n * slot + 64, dtype=np.uint8)
+    shift = (16 - backing.ctypes.data % 16) % 16 + (1 if shape == "unaligned_dest" else 0)
+    cache = backing[shift:shift + 2 * n * slot].reshape(2 * n, slot)
+    rows = np.random.default_rng(4).permutation(2 * n)[:n]
+    order = np.random.default_rng(5).permutation(n)
+    dest = [memoryview(cache[r]) for r in rows]
+    sums = [xxhash.xxh3_64_intdigest(arena[j]) for j in order]
+    offs = (order * slot).tolist()
+    assert block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, sums, slot) is None
+    assert np.array_equal(cache[rows], arena[order])
+    arena[order[90], 7] ^= 0x40  # block 90's source slot, after its checksum was taken
+    assert block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, sums, slot) == 90
+
+
+def test_destination_addresses_must_be_one_per_block(impl):
     arena = _arena(8)
     cache, rows, order, offs, dest = _scattered(arena)
     addrs = np.uint64(cache.ctypes.data) + rows.astype(np.uint64)[:-1] * np.uint64(SLOT)
