@@ -68,7 +68,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
 
     src = root / "src"
     src.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    # (*.so: the checkout's in-place build of the C extension; the wheel must build its own)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "*.so")
     for name in SOURCES:
         path = REPO / name
         if path.is_dir():
@@ -115,6 +116,18 @@ def test_wheel_ships_py_typed_license_and_configs(installed: Installed) -> None:
     assert CONFIGS and not missing, f"configs missing from the wheel: {missing}"
     metadata = zipfile.ZipFile(installed.wheel).read(f"kvconnectors-{VERSION}.dist-info/METADATA").decode()
     assert "License-Expression: Apache-2.0" in metadata
+
+
+def test_wheel_builds_and_ships_the_native_copy(installed: Installed) -> None:
+    """kvconnectors._blockcopy (the shm pull's C loop) is compiled into the wheel from its sources
+    alone (blockcopy.c and the vendored xxhash.h) and imports from the installed package."""
+    names = zipfile.ZipFile(installed.wheel).namelist()
+    assert any(n.startswith("kvconnectors/_blockcopy") and n.endswith(".so") for n in names), names
+    out = installed.run(str(installed.python), "-c",
+                        "import kvconnectors._blockcopy as b, kvconnectors.transport.block_shares as s; "
+                        "print(b.__file__, s.native is b)")
+    path, same = out.split()
+    assert same == "True" and str(REPO) not in path and path.startswith(str(installed.purelib.parent.parent)), out
 
 
 def test_installed_cli_runs_outside_the_repo(installed: Installed) -> None:
