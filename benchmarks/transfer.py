@@ -86,6 +86,7 @@ import numpy as np  # noqa: E402
 from kvconnectors import planner  # noqa: E402
 from kvconnectors.benchmarks.models import PRESETS, KVBlocks, Preset  # noqa: E402
 from kvconnectors.store.buffers import aligned_zeros  # noqa: E402
+from kvconnectors.transport.block_views import BlockViews  # noqa: E402
 from kvconnectors.transport.nixl_bench import transfer_and_poll  # noqa: E402  (no NIXL import: that is lazy)
 
 FP = "kvc-bench-transfer"
@@ -437,16 +438,19 @@ class Consumer:
         self.nx_handles: list[Any] = []
         self.te = None
         self.extra: dict[str, dict[str, Any]] = {}
+        self.clients: dict[str, Any] = {}  # path -> ClientPool (our paths' kept connections)
         from kvconnectors.transport import wire
 
         self.compat = wire.compat_hash(COMPAT_TAG)
 
     # ------------------------------------------------------------------ set-up per path
+    def target_blocks(self) -> BlockViews:
+        """The target blocks, layer-major, as the worker names them (Loader.direct_rows)."""
+        return BlockViews(self.kv, range(self.geom.num_layers), self.targets_list)
+
     def target_addrs(self) -> np.ndarray:
-        """uint64 address of every target block, layer-major (as Loader.direct_addrs gives the worker)."""
-        layer_base = np.array([a.ctypes.data for a in self.kv], dtype=np.uint64)
-        return (layer_base[:, None] + self.targets.astype(np.uint64)[None, :]
-                * np.uint64(self.geom.slot_bytes)).reshape(-1)
+        """uint64 address of every target block, layer-major (what the worker hands shm and nixl)."""
+        return self.target_blocks().addrs()
 
     def setup(self, path: str) -> None:
         info = self.producer.info if self.producer else {}
@@ -540,6 +544,8 @@ class Consumer:
         if self.mover is not None:
             self.mover.close()
             self.mover = None
+        for pool in self.clients.values():
+            pool.close()
         if self.sock is not None:
             self.sock.close()
         if self.sink is not None:
@@ -623,6 +629,7 @@ class Consumer:
 
     def _run_ours(self, path: str) -> float:
         from kvconnectors.transport.client import StoreClient
+        from kvconnectors.transport.client_pool import ClientPool
         from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, NixlPull
 
         g = self.geom
@@ -633,12 +640,16 @@ class Consumer:
         data_path = {"tcp": TCP_PULL, "tcp_aead": TCP_PULL, "shm": SHM_PULL, "nixl": NixlPull(sink=self.sink)}[path]
         sealed = {"secret": BENCH_SECRET, "protection": "aead"} if path in SEALED else {}
         port = self.producer.info[f"port_{path}"]
+        if path not in self.clients:  # one pool per path (they differ in protection), as a worker has one
+            self.clients[path] = ClientPool(
+                lambda host, port: StoreClient(host, port, compat=self.compat, peer_name="bench", **sealed))
         t0 = time.perf_counter()
-        # == TieredConnectorWorker._pull_into_cache: views of the target blocks, one client per pull
+        # == TieredConnectorWorker._pull_into_cache: the target blocks; the connection of the last pull
+        # if it is still good (client_pool.py), as the worker keeps them
         deadline = time.monotonic() + TIMEOUT_S
-        dest = [memoryview(self.kv[layer][b]) for layer in range(g.num_layers) for b in self.targets_list]
-        dest_addrs = None if data_path.streams else self.target_addrs()  # the worker hands shm and nixl these
-        with StoreClient("127.0.0.1", port, compat=self.compat, peer_name="bench", **sealed) as client:
+        dest = self.target_blocks()
+        dest_addrs = None if data_path.streams else dest.addrs()  # the worker hands shm and nixl these
+        with self.clients[path].client("127.0.0.1", port) as client:
             nbytes = client.read(key, range(g.num_layers), 0, dest, fingerprint=FP, deadline=deadline,
                                  verify=self.checksum, path=data_path, dest_addrs=dest_addrs)
             if data_path.streams:

@@ -17,6 +17,7 @@ import torch
 
 from kvconnectors.mover.device import CopyEvent, DeviceOps
 from kvconnectors.mover.geometry import BlockGeometry
+from kvconnectors.transport.block_views import BlockViews
 
 
 class Loader:
@@ -33,20 +34,13 @@ class Loader:
         self._lock = threading.Lock()
 
     # -- direct landing (host caches) ------------------------------------------------------------
-    def direct_rows(self, layers: Sequence[int], block_ids: Sequence[int]) -> list[memoryview] | None:
-        """Writable views of each (layer, block) of the cache, layer after layer; None when bytes
-        cannot land in the cache directly (device memory, or blocks split in runs)."""
+    def direct_rows(self, layers: Sequence[int], block_ids: Sequence[int]) -> BlockViews | None:
+        """Writable views of each (layer, block) of the cache, layer after layer, made as they are
+        asked for (their `addrs()`: for NIXL descriptors and the shm copy); None when bytes cannot
+        land in the cache directly (device memory, or blocks split in runs)."""
         if not self.direct:
             return None
-        return [memoryview(self._rows[layer][b]) for layer in layers for b in block_ids]
-
-    def direct_addrs(self, layers: Sequence[int], block_ids: Sequence[int]) -> np.ndarray | None:
-        """Addresses of the same rows (for NIXL descriptors), layer after layer."""
-        if not self.direct:
-            return None
-        base = np.array([self._rows[layer].ctypes.data for layer in layers], dtype=np.uint64)
-        ids = np.asarray(block_ids, dtype=np.uint64)
-        return (base[:, None] + ids[None, :] * np.uint64(self.geometry.block_stride)).reshape(-1)
+        return BlockViews(self._rows, layers, block_ids)
 
     def host_arrays(self) -> list[np.ndarray]:
         """The cache's per-layer host row views (direct mode): what a NIXL agent registers."""

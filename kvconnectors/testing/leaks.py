@@ -6,10 +6,12 @@ prefill instance (its staging store, at the plan's kv_addr) and, in push mode on
 instance (its landing store, at its kv_addr). Each is asked through its own status call, so NVMe
 usage comes from the store's accounting (its extent files have no name to look for on disk).
 
-Connections left open: a pull opens a connection per transfer and closes it, so at rest nobody
-holds one to a staging store. Push connections are pooled by design (transport/push.py keeps one
-per prefill worker and landing store; the decode's scheduler keeps one to its own landing store
-to locate pushed KV), so at rest each such process holds at most one; more is a leak. And a store
+Connections left open: connections are kept by design, and only so many. A decode worker keeps
+the connections of pulls that went well for its next pulls (transport/client_pool.py: at most
+MAX_IDLE_PER_PEER per producer store), so at rest it holds at most that many to a staging store,
+and nobody else holds one. Push connections are pooled too (transport/push.py keeps one per
+prefill worker and landing store; the decode's scheduler keeps one to its own landing store to
+locate pushed KV), so at rest each such process holds at most one; more is a leak. And a store
 must not count more connections than the cluster's processes hold (a server side nobody closed).
 """
 
@@ -27,6 +29,7 @@ from kvconnectors.errors import KVConnectorError
 from kvconnectors.serving import process_tree
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import store_status
+from kvconnectors.transport.client_pool import MAX_IDLE_PER_PEER
 
 IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 HELD_FIELDS = ("entries", "pinned", "dram_used_bytes", "nvme_used_bytes")
@@ -156,7 +159,8 @@ def client_problems(store: Store, held: dict[str, dict[int, Counter]]) -> list[s
 def idle_connections(store: Store, holder: str) -> int:
     """How many connections one process of instance `holder` may keep to `store` at rest."""
     if store.role != "decode":
-        return 0          # staging store: pulls, renewals and releases close theirs
+        # staging store: a decode worker's kept pull connections; renewals and releases close theirs
+        return MAX_IDLE_PER_PEER if holder.startswith("decode") else 0
     if holder == store.owner.split("/")[0] or holder.startswith("prefill"):
         return 1          # the owner's locator; a prefill worker's pooled push connection
     return 0

@@ -19,6 +19,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
@@ -44,7 +45,9 @@ from kvconnectors.transport import nixl as nixl_transport
 from kvconnectors.transport import nixl_device
 from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.auth import load_secret
+from kvconnectors.transport.block_views import BlockViews
 from kvconnectors.transport.client import StoreClient
+from kvconnectors.transport.client_pool import ClientPool
 from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.peers import PeerPolicy
 from kvconnectors.transport.paths import (SHM_PULL, TCP_HEADS_PULL, TCP_PULL, TCP_PUSH, NixlDevicePull, NixlPull,
@@ -124,6 +127,7 @@ class TieredConnectorWorker:
         self.stats = TieredStats()    # this interval's, handed to vLLM and reset
         self.totals = TieredStats()   # since start-up: what tests and diagnostics read
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrent_loads, thread_name_prefix="kvc-pull")
+        self._producers = ClientPool(self._client)  # connections to producers, kept between pulls
         # another TP size: a pull reads its producer ranks side by side (threads start on demand)
         self._rank_reads = ThreadPoolExecutor(max_workers=4 * config.max_concurrent_loads,
                                               thread_name_prefix="kvc-rank-read")
@@ -543,11 +547,13 @@ class TieredConnectorWorker:
                            connect_timeout_s=self.config.connect_timeout_s, peer_name=self.engine_id[:wire.MAX_PEER_NAME],
                            protection=self.config.wire_protection)
 
-    def _producer_client(self, p: TransferParams, rank: int) -> StoreClient:
-        """A client to the ticket's producer `rank`, whose address must be in allowed_peers."""
+    def _producer_client(self, p: TransferParams, rank: int) -> AbstractContextManager[StoreClient]:
+        """A connection to the ticket's producer `rank` (whose address must be in allowed_peers) for
+        a with-block: a kept one when there is one (client_pool.py), handed back when the block went
+        well."""
         addr = p.addrs[rank]
-        return self._client(self._peers.check(addr.host, addr.port, f"kv_transfer_params.kvc.addrs[{rank}]"),
-                            addr.port)
+        host = self._peers.check(addr.host, addr.port, f"kv_transfer_params.kvc.addrs[{rank}]")
+        return self._producers.client(host, addr.port)
 
     def _pull(self, spec: RecvSpec) -> None:
         start = time.monotonic()
@@ -648,9 +654,11 @@ class TieredConnectorWorker:
         dest = self.loader.direct_rows(layers, targets)
         staged = None if dest is not None else self.loader.landing_buffer(layout.num_layers * len(targets))
         if staged is not None:
-            dest = [memoryview(row) for row in staged]
+            dest = BlockViews.of_rows(staged)
         path = self._pull_path(spec, p, direct=staged is None)
-        dest_addrs = self.loader.direct_addrs(layers, targets) if isinstance(path, (NixlPull, ShmPull)) else None
+        # shm copies by address into any of them; a nixl READ only into the cache its agent registered
+        by_address = isinstance(path, ShmPull) or (isinstance(path, NixlPull) and staged is None)
+        dest_addrs = dest.addrs() if by_address else None
         with self._producer_client(p, layout.tp_rank) as client:
             nbytes = client.read(p.transfer_id, layers, spec.first_block, dest,
                                  fingerprint=p.fingerprint, deadline=deadline,
@@ -666,6 +674,7 @@ class TieredConnectorWorker:
                 try:
                     client.release(p.transfer_id, time.monotonic() + self.config.connect_timeout_s, token=p.token)
                 except TransferError as exc:
+                    client.close()  # its answer may still come: out of step, so not kept for another pull
                     logger.warning("release of %s failed after a good pull (it will expire): %s",
                                    p.transfer_id, exc)
         return {path.label: nbytes}
@@ -733,7 +742,7 @@ class TieredConnectorWorker:
                    heads: tuple[int, int] | None) -> tuple[np.ndarray, RowLayout, int, int]:
         layers = range(self.layout.num_layers)
         theirs = np.empty((len(layers) * n, row.row_bytes), np.uint8)
-        nbytes = client.read(p.transfer_id, layers, spec.first_block, list(map(memoryview, theirs)),
+        nbytes = client.read(p.transfer_id, layers, spec.first_block, BlockViews.of_rows(theirs),
                              fingerprint=p.fingerprint, deadline=deadline,
                              verify=self.config.checksum and fault != "corrupt",
                              path=path, token=p.token, release=False, heads=heads)
@@ -976,6 +985,7 @@ class TieredConnectorWorker:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
         self._rank_reads.shutdown(wait=True, cancel_futures=True)
+        self._producers.close()
         self._stager_thread.shutdown(wait=True)
         if self.pusher is not None:
             self.pusher.close()

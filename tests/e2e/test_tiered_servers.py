@@ -23,6 +23,7 @@ from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import VllmServer, complete, process_tree, stop_all, tree_affinities
 from kvconnectors.testing import cpu
 from kvconnectors.transport.client import store_status
+from kvconnectors.transport.client_pool import MAX_IDLE_PER_PEER
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
@@ -188,7 +189,9 @@ def test_pd_servers_equal_colocated(tiny_model, prompts, control_prompts, coloca
         assert status.entries == 0 and status.dram_used_bytes == 0 and status.nvme_used_bytes == 0, \
             f"store not empty after release: {status}"
         assert status.counters["releases"] == len(prompts), status.counters
-        assert status.active_connections == 0, f"{status.active_connections} consumer connections left open"
+        # the decode's one worker keeps at most MAX_IDLE_PER_PEER for its next pulls (client_pool.py)
+        assert status.active_connections <= MAX_IDLE_PER_PEER, \
+            f"{status.active_connections} consumer connections left open"
 
         bad = run_workload(pd, name, control_prompts, kv_transfer_params={"kvc_fault": "corrupt"})
         assert_control_changed(colocated[len(prompts):], [token_ids(r) for r in bad],

@@ -11,8 +11,8 @@ Seen to fail (each break patched into leaks.py at run time by a `-p` plugin): ga
 `any(v for _, v in m.get(name, []))` again -> test_a_missing_gauge_is_reported fails; only
 `cluster_stores(pd)[:1]` checked -> both test_an_entry_left_in_another_store_is_reported cases
 and 6 more fail; "nvme_used_bytes" dropped from HELD_FIELDS -> test_nvme_bytes_held_are_reported
-fails; idle_connections() allowing 1 to every holder -> test_a_pull_connection_left_open_is_reported
-fails, allowing 2 to prefill holders -> test_push_connections_beyond_the_pool_are_reported fails;
+fails; idle_connections() allowing MAX_IDLE_PER_PEER to every holder, or one more to decode holders ->
+test_a_pull_connection_left_open_is_reported fails, allowing 2 to prefill holders -> test_push_connections_beyond_the_pool_are_reported fails;
 the active_connections comparison disabled -> test_a_connection_no_cluster_process_holds_is_reported
 fails; decode plans taken for stores in pull mode too -> test_a_clean_cluster_reports_nothing[pull]
 fails (nothing listens there). The pd_leaks this replaced (plans[0] only, a missing gauge reads
@@ -25,6 +25,7 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,7 @@ from kvconnectors.store import StoreConfig, TieredStore
 from kvconnectors.testing.leaks import IDLE_GAUGES, assert_pd_idle, pd_leaks
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import StoreClient
+from kvconnectors.transport.client_pool import MAX_IDLE_PER_PEER
 from kvconnectors.transport.server import StoreServer
 
 SLOT, LAYERS, BLOCKS = 4096, 2, 4
@@ -171,12 +173,23 @@ def test_nvme_bytes_held_are_reported(cluster_of) -> None:
 
 
 def test_a_pull_connection_left_open_is_reported(cluster_of) -> None:
+    """A decode worker keeps MAX_IDLE_PER_PEER pull connections per producer store (client_pool.py):
+    those are no leak, one more is; a prefill instance keeps none to another's staging store."""
     c = cluster_of("pull")
     c.server("decode-0").pid = os.getpid()
+    port = c.stores["prefill-1"][1].port
+    with ExitStack() as held:
+        for _ in range(MAX_IDLE_PER_PEER):
+            held.enter_context(c.client("prefill-1"))
+        assert pd_leaks(c) == []
+        held.enter_context(c.client("prefill-1"))
+        problems = pd_leaks(c)
+    assert f"decode-0 pid {os.getpid()} holds {MAX_IDLE_PER_PEER + 1} connections to prefill-1's store " \
+           f"127.0.0.1:{port} (at most {MAX_IDLE_PER_PEER} when idle)" in problems, problems
+    c.server("decode-0").pid, c.server("prefill-0").pid = c.server("prefill-0").pid, os.getpid()
     with c.client("prefill-1"):
         problems = pd_leaks(c)
-    port = c.stores["prefill-1"][1].port
-    assert f"decode-0 pid {os.getpid()} holds 1 connections to prefill-1's store 127.0.0.1:{port} " \
+    assert f"prefill-0 pid {os.getpid()} holds 1 connections to prefill-1's store 127.0.0.1:{port} " \
            f"(at most 0 when idle)" in problems, problems
 
 
