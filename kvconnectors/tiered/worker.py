@@ -127,7 +127,9 @@ class TieredConnectorWorker:
         self.stats = TieredStats()    # this interval's, handed to vLLM and reset
         self.totals = TieredStats()   # since start-up: what tests and diagnostics read
         self._pool = ThreadPoolExecutor(max_workers=config.max_concurrent_loads, thread_name_prefix="kvc-pull")
-        self._producers = ClientPool(self._client)  # connections to producers, kept between pulls
+        # Connections to producers, kept between pulls; never one a producer of this configuration
+        # would time out (it closes a connection idle for server_idle_timeout_s).
+        self._producers = ClientPool(self._client, max_idle_s=min(30.0, config.server_idle_timeout_s / 2))
         # another TP size: a pull reads its producer ranks side by side (threads start on demand)
         self._rank_reads = ThreadPoolExecutor(max_workers=4 * config.max_concurrent_loads,
                                               thread_name_prefix="kvc-rank-read")

@@ -101,15 +101,21 @@ def _in_shares(work: Callable[[int, int], int | None], n: int) -> int | None:
 def copy_blocks(arena: memoryview, offsets: Sequence[int], dest: Sequence[memoryview],
                 sums: Sequence[int] | None, slot: int, dest_addrs: np.ndarray | None = None) -> int | None:
     """Copy arena[offsets[i]:+slot] into dest[i] for every i (offsets checked first, `check_offsets`);
-    with `sums`, the first block (lowest index) whose copy's xxh3 differs from sums[i], else None.
+    with `sums`, the first block (lowest index) whose xxh3 differs from sums[i], else None. The
+    native copy hashes the arena slot right after copying it when it wrote with streaming stores
+    (the destination is then not in cache; the slot is, and it is pinned and sealed on the producer,
+    so it holds the bytes copied: what it cannot see is a producer writing a pinned slot during
+    the copy), else the destination; the Python copy hashes the destination.
     `dest_addrs` (uint64, the caller's own: dest[i]'s address, as Loader.direct_addrs gives them)
     spares taking each view's address; the caller vouches that each holds `slot` bytes, as it vouches
     for the address itself (without them, each view's size is checked). Returns only when every
     share has stopped: no thread writes into `dest` after this returns, and `arena` (whose mapping the
     raw addresses point into) is held until then."""
     offs = check_offsets(offsets, slot, len(arena))
-    if dest_addrs is not None and len(dest_addrs) != len(dest):
-        raise TransferError(FailureCause.PROTOCOL, f"{len(dest_addrs)} destination addresses for {len(dest)} blocks")
+    # one of each per block: the native loop reads offsets[i], sums[i] and dest_addrs[i] for every i
+    for what, seq in (("offsets", offs), ("checksums", sums), ("destination addresses", dest_addrs)):
+        if seq is not None and len(seq) != len(dest):
+            raise TransferError(FailureCause.PROTOCOL, f"{len(seq)} {what} for {len(dest)} blocks")
     src_base = np.frombuffer(arena, dtype=np.uint8).ctypes.data
     if native is None:
         addrs = None if dest_addrs is None else np.asarray(dest_addrs, dtype=np.uint64).tolist()
@@ -117,13 +123,24 @@ def copy_blocks(arena: memoryview, offsets: Sequence[int], dest: Sequence[memory
         return _in_shares(lambda start, stop: _copy_share(src_base, offs_list, dest, sums, start, stop, slot, addrs),
                           len(dest))
     addrs_arr = _addresses(dest, slot) if dest_addrs is None else np.ascontiguousarray(dest_addrs, dtype=np.uint64)
-    sums_arr = None if sums is None else np.asarray(sums, dtype=np.uint64)
+    sums_arr = None if sums is None else _checksums(sums)
+    offs = np.ascontiguousarray(offs, dtype=np.int64)
     raw = (src_base, offs.ctypes.data, addrs_arr.ctypes.data, 0 if sums_arr is None else sums_arr.ctypes.data)
 
     def share(start: int, stop: int) -> int | None:  # (the arrays above stay alive until every share stops)
         bad = native.copy_verify(*raw, start, stop, slot)
         return None if bad < 0 else bad
     return _in_shares(share, len(dest))
+
+
+def _checksums(sums: Sequence[int]) -> np.ndarray:
+    """The producer's checksums as uint64, or a typed refusal (they come off the wire: a value
+    outside 0..2**64-1 is no xxh3)."""
+    try:
+        return np.ascontiguousarray(sums, dtype=np.uint64)
+    except (OverflowError, ValueError, TypeError):
+        bad = next((x for x in sums if not isinstance(x, int) or not 0 <= x < 2**64), sums)
+        raise TransferError(FailureCause.PROTOCOL, f"checksum {bad!r} is not a 64-bit xxh3") from None
 
 
 def _addresses(dest: Sequence[memoryview], slot: int) -> np.ndarray:

@@ -21,13 +21,19 @@ class BlockViews(Sequence[memoryview]):
 
     def __init__(self, arrays: Sequence[np.ndarray], layers: Sequence[int], block_ids: Sequence[int]):
         self._arrays, self._layers = arrays, list(layers)
-        self._ids = np.asarray(block_ids, dtype=np.int64)
+        self._ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         self._per_layer = len(self._ids)
+        # Checked here, not when a view is made: addrs() turns ids into raw addresses for copies
+        # that trust them (the shm copy, NIXL descriptors).
+        self.row_bytes = arrays[self._layers[0]].shape[-1] if self._layers else 0
         for layer in self._layers:
             a = arrays[layer]
-            if a.ndim != 2 or a.dtype != np.uint8 or a.strides[1] != 1:
-                raise ValueError(f"layer {layer}: rows must be 2-D uint8 with contiguous rows, got "
-                                 f"{a.dtype} {a.shape} strides {a.strides}")
+            if a.ndim != 2 or a.dtype != np.uint8 or a.strides[1] != 1 or a.shape[1] != self.row_bytes:
+                raise ValueError(f"layer {layer}: rows must be 2-D uint8, contiguous, {self.row_bytes} B each; "
+                                 f"got {a.dtype} {a.shape} strides {a.strides}")
+            if self._per_layer and not (0 <= int(self._ids.min()) and int(self._ids.max()) < len(a)):
+                raise IndexError(f"block ids {int(self._ids.min())}..{int(self._ids.max())} outside layer "
+                                 f"{layer}'s {len(a)} blocks")
         self._ids_list = self._ids.tolist()
 
     @classmethod

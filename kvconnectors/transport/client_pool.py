@@ -6,11 +6,18 @@ a 16 ms shm pull of 256 MiB on the benchmark VM, more across hosts. So a pull th
 its connection back here and the next pull to the same producer takes it, as NixlConnector keeps
 its handshake per remote engine.
 
-What is kept: at most `max_idle_per_peer` idle connections per producer address, each for at most
-`max_idle_s` (well under a store server's idle timeout, 300 s by default, after which it would
-hang up). A connection goes back only when everything on it went well: one that saw an error of
-any kind may be out of step, so it is closed. One the producer closed meanwhile (it restarted, or
-timed it out) is readable at checkout (EOF) and is closed instead of used.
+What is kept: at most `max_idle_per_peer` idle connections per producer address. One idle for
+longer than `max_idle_s` is never handed out, and is closed at the pool's next use for any producer
+(so a producer not asked again does not keep sockets here). The worker sets `max_idle_s` to at
+most half its `server_idle_timeout_s`, so a producer of the same configuration never times out a
+connection this pool would still hand out. A connection goes back only when everything on it went
+well: one that saw an error of any kind may be out of step, so it is closed. One the producer
+closed meanwhile (it restarted) is readable at checkout (EOF) and is closed instead of used; a
+producer restarting at the very moment a kept connection is taken fails that pull as
+peer_unreachable, as a pull to a restarting producer can fail anyway (failure_policy "retry"
+tries again on a new connection). Kept connections count against the producer's per-peer and
+total connection caps (store server: max_per_peer, max_connections) and hold one of its threads
+each while idle.
 """
 
 from __future__ import annotations
@@ -65,15 +72,30 @@ class ClientPool:
                 c.close()
 
     def _take(self, addr: Addr) -> StoreClient | None:
-        now = time.monotonic()
+        self._close_expired()
         while True:
             with self._lock:
                 entries = self._idle.get(addr)
                 if not entries:
+                    self._idle.pop(addr, None)
                     return None
-                since, c = entries.pop()
-            if now - since <= self.max_idle_s and _still_open(c):
+                _, c = entries.pop()
+            if _still_open(c):
                 return c
+            c.close()
+
+    def _close_expired(self) -> None:
+        """Close every idle connection past max_idle_s, whichever producer it goes to."""
+        cutoff = time.monotonic() - self.max_idle_s
+        expired: list[StoreClient] = []
+        with self._lock:
+            for addr in list(self._idle):
+                entries = self._idle[addr]
+                expired += [c for since, c in entries if since < cutoff]
+                entries[:] = [(since, c) for since, c in entries if since >= cutoff]
+                if not entries:
+                    del self._idle[addr]
+        for c in expired:
             c.close()
 
     def _give_back(self, addr: Addr, c: StoreClient) -> None:

@@ -229,6 +229,36 @@ def test_native_copy_streams_or_falls_back_and_checks_either_way(shape):
     assert block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, sums, slot) == 90
 
 
+@pytest.mark.parametrize("short", ["offsets", "checksums"])
+def test_offsets_and_checksums_must_be_one_per_block(short, impl):
+    """The native loop reads offsets[i] and sums[i] for every destination block: a shorter list would
+    be read past its end, so it is refused, typed, before anything is copied."""
+    arena = _arena(8)
+    cache, rows, order, offs, dest = _scattered(arena)
+    sums = _sums(arena, order)
+    if short == "offsets":
+        offs = offs[:-1]
+    else:
+        sums = sums[:-1]
+    with pytest.raises(TransferError) as exc:
+        block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, sums, SLOT)
+    assert exc.value.cause == FailureCause.PROTOCOL and f"7 {short} for 8 blocks" in exc.value.detail
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64])
+def test_a_checksum_that_is_no_xxh3_is_refused_typed(bad):
+    """Checksums come off the wire (msgpack allows negative and huge ints)."""
+    assert block_shares.native is not None, NOT_BUILT
+    arena = _arena(8)
+    cache, rows, order, offs, dest = _scattered(arena)
+    sums = _sums(arena, order)
+    sums[3] = bad
+    with pytest.raises(TransferError) as exc:
+        block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, sums, SLOT)
+    assert exc.value.cause == FailureCause.PROTOCOL and f"checksum {bad}" in exc.value.detail
+
+
 def test_destination_addresses_must_be_one_per_block(impl):
     arena = _arena(8)
     cache, rows, order, offs, dest = _scattered(arena)

@@ -49,3 +49,17 @@ def test_of_rows_is_every_row_in_order():
 def test_arrays_that_are_not_rows_of_bytes_are_refused(bad):
     with pytest.raises(ValueError, match="layer 0"):
         BlockViews([bad], [0], [0])
+
+
+def test_layers_of_other_row_widths_are_refused():
+    with pytest.raises(ValueError, match="layer 1: rows must be 2-D uint8, contiguous, 64 B each"):
+        BlockViews([np.zeros((4, 64), np.uint8), np.zeros((4, 32), np.uint8)], [0, 1], [0])
+    assert BlockViews(_layers(), [0, 1], [0]).row_bytes == 64
+
+
+@pytest.mark.parametrize("ids", [[0, 8], [-1, 2]])
+def test_block_ids_outside_a_layer_are_refused_before_any_address_is_made(ids):
+    """addrs() hands raw addresses to copies that trust them: an id past the end (or a negative one,
+    which numpy would wrap) must never become one."""
+    with pytest.raises(IndexError, match="outside layer 2's 8 blocks"):
+        BlockViews(_layers(), [2], ids)

@@ -4,8 +4,9 @@ good one (transport/client_pool.py), against a real StoreServer on 127.0.0.1.
 Seen to fail: with `_give_back` keeping a connection whatever happened on it (the except branch of
 `client` made to fall through), test_a_connection_that_saw_an_error_is_not_kept fails; with
 `_still_open` always True, test_a_connection_the_producer_closed_is_not_used fails (the read
-meets a closed connection: peer_unreachable); with the age check dropped,
-test_an_idle_connection_past_max_idle_s_is_not_used fails.
+meets a closed connection: peer_unreachable); with `_close_expired` a no-op,
+test_an_idle_connection_past_max_idle_s_is_not_used and
+test_idle_connections_to_a_producer_not_asked_again_are_closed_when_they_expire fail.
 """
 
 from __future__ import annotations
@@ -124,6 +125,26 @@ def test_an_idle_connection_past_max_idle_s_is_not_used(server):
         assert _pull(pool, server, "t2") is not first and first.sock.fileno() == -1
     finally:
         pool.close()
+
+
+def test_idle_connections_to_a_producer_not_asked_again_are_closed_when_they_expire(server):
+    """A producer whose address is never pulled from again (it moved, or went away) does not keep
+    sockets in the pool: any later use of the pool closes connections past max_idle_s."""
+    shm = f"kvc_pool_other_{time.monotonic_ns() % 10**9}"
+    store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=64 * SLOT, shm_name=shm, lease_ttl_s=30))
+    other = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT)
+    made: list[StoreClient] = []
+    pool = ClientPool(lambda h, p: made.append(StoreClient(h, p, compat=COMPAT)) or made[-1], max_idle_s=0.2)
+    try:
+        gone = _pull(pool, other, "t1")
+        time.sleep(0.3)
+        _pull(pool, server, "t2")  # another producer
+        assert gone.sock.fileno() == -1 and pool.idle() == 1
+        assert _server_connections(other, 0) == 0
+    finally:
+        pool.close()
+        other.close()
+        store.close()
 
 
 def test_a_client_closed_in_the_block_is_not_kept(pool, server):
