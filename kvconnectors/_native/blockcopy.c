@@ -1,4 +1,5 @@
-/* kvconnectors._blockcopy: the shm pull's per-block loop (copy a slot, check its xxh3) in C.
+/* kvconnectors._blockcopy: the shm pull's per-block loop (copy a slot, check its xxh3) in C, and the
+ * check alone (after a nixl READ).
  *
  * Why native (issue #15 item 9): in Python each 64 KiB block costs a ctypes memmove and an xxh3 call,
  * and xxhash's binding holds the GIL while it hashes, so two copying threads take turns instead of
@@ -71,6 +72,30 @@ static int64_t copy_verify(const char *src, const int64_t *offs, const uint64_t 
     return bad;
 }
 
+/* Blocks start..stop at dst[i], nbytes each: the first i whose xxh3 differs from sums[i], else -1. */
+static int64_t first_mismatch(const uint64_t *dst, const uint64_t *sums, int64_t start, int64_t stop, size_t nbytes) {
+    for (int64_t i = start; i < stop; i++)
+        if (XXH3_64bits((const void *)(uintptr_t)dst[i], nbytes) != sums[i]) return i;
+    return -1;
+}
+
+static PyObject *py_first_mismatch(PyObject *self, PyObject *args) {
+    unsigned long long dst, sums;
+    long long start, stop, nbytes;
+    if (!PyArg_ParseTuple(args, "KKLLL", &dst, &sums, &start, &stop, &nbytes))
+        return NULL;
+    if (start < 0 || stop < start || nbytes <= 0 || !dst || !sums) {
+        PyErr_Format(PyExc_ValueError, "first_mismatch: start=%lld stop=%lld nbytes=%lld", start, stop, nbytes);
+        return NULL;
+    }
+    int64_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = first_mismatch((const uint64_t *)(uintptr_t)dst, (const uint64_t *)(uintptr_t)sums, start, stop,
+                         (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(bad);
+}
+
 static PyObject *py_copy_verify(PyObject *self, PyObject *args) {
     unsigned long long src, offs, dst, sums;
     long long start, stop, slot;
@@ -96,6 +121,10 @@ static PyMethodDef methods[] = {
      "(uint64 per block, or 0 for no check). Copies blocks start..stop, slot bytes each, without the\n"
      "GIL; returns the first block whose xxh3 differs from its sum, else -1. The caller checks every\n"
      "offset and address first and keeps the memory alive until it returns."},
+    {"first_mismatch", py_first_mismatch, METH_VARARGS,
+     "first_mismatch(blocks, sums, start, stop, nbytes) -> int\n\n"
+     "Raw addresses: blocks (uint64 per block), sums (uint64 per block). Hashes blocks start..stop,\n"
+     "nbytes each, without the GIL; returns the first whose xxh3 differs from its sum, else -1."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -6,8 +6,8 @@ One share per thread (a contiguous run of the block list), the calling thread ru
 (kvconnectors._blockcopy, built from kvconnectors/_native/blockcopy.c) a share runs without the GIL
 and writes with streaming stores, hashing the source slot it has just read; without the build, each
 block is one `memmove` and one xxh3 of the destination in Python, slower (the shares take turns at
-the GIL). `first_mismatch` (nixl, after its READ): the xxh3 of each block. Small pulls stay on the
-calling thread.
+the GIL). `first_mismatch` (nixl, after its READ): the xxh3 of each block, natively too when the
+caller has the blocks' addresses. Small pulls stay on the calling thread.
 `CheckBehind` (tcp): each layer's checksums are checked on another thread while the next layer is
 still arriving, so a streamed read does not stop receiving to hash.
 """
@@ -154,12 +154,27 @@ def _addresses(dest: Sequence[memoryview], slot: int) -> np.ndarray:
     return out
 
 
-def first_mismatch(sums: Sequence[int], views: Sequence[memoryview]) -> int | None:
-    """The lowest i whose xxh3 of views[i] differs from sums[i], else None."""
+def first_mismatch(sums: Sequence[int], views: Sequence[memoryview], addrs: np.ndarray | None = None) -> int | None:
+    """The lowest i whose xxh3 of views[i] differs from sums[i], else None. With `addrs` (uint64, the
+    caller's own: views[i]'s address, each view as long as views[0]) the native check hashes them
+    without the GIL (xxhash's binding holds it, so Python shares hash one at a time)."""
+    n = min(len(sums), len(views))
+    if native is not None and addrs is not None and n:
+        if len(addrs) < n:
+            raise TransferError(FailureCause.PROTOCOL, f"{len(addrs)} block addresses for {n} blocks")
+        addrs_arr = np.ascontiguousarray(addrs[:n], dtype=np.uint64)
+        sums_arr = _checksums(sums[:n])
+        nbytes = views[0].nbytes
+
+        def native_share(start: int, stop: int) -> int | None:  # (the arrays stay alive until every share stops)
+            bad = native.first_mismatch(addrs_arr.ctypes.data, sums_arr.ctypes.data, start, stop, nbytes)
+            return None if bad < 0 else bad
+        return _in_shares(native_share, n)
+
     def share(start: int, stop: int) -> int | None:
         digest = xxhash.xxh3_64_intdigest
         return next((i for i in range(start, stop) if digest(views[i]) != sums[i]), None)
-    return _in_shares(share, min(len(sums), len(views)))
+    return _in_shares(share, n)
 
 
 _behind: ThreadPoolExecutor | None = None

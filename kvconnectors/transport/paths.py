@@ -138,10 +138,11 @@ def block_checksum(view) -> int:
 
 
 def verify_checksums(expected: Sequence[int], dest: Sequence[memoryview], transfer_id: str, *,
-                     first: int = 0, of: int | None = None) -> None:
+                     first: int = 0, of: int | None = None, addrs: np.ndarray | None = None) -> None:
     """`dest` are blocks first.. of a transfer of `of` blocks (default: just these); large lists are
-    hashed in parallel shares (block_shares.py), the lowest mismatching block is the one named."""
-    bad = block_shares.first_mismatch(expected, dest)
+    hashed in parallel shares (block_shares.py; natively given `addrs`, dest's addresses), the
+    lowest mismatching block is the one named."""
+    bad = block_shares.first_mismatch(expected, dest, addrs)
     if bad is not None:
         raise checksum_mismatch(transfer_id, first + bad, of or len(dest), dest[bad], expected[bad])
 
@@ -401,7 +402,7 @@ class NixlPull(_ArenaPull):
         nbytes = self.sink.read_blocks(peer, reply.nixl_agent_meta, reply.nixl_base_address, reply.offsets,
                                        dest, deadline, local_addrs=dest_addrs)
         if sums is not None:  # after the READ: NIXL hands over the bytes only once it is DONE
-            verify_checksums(sums, dest, read.transfer_id)
+            verify_checksums(sums, dest, read.transfer_id, addrs=dest_addrs)
         return nbytes
 
     def _check_reply(self, peer, reply, dest) -> None:

@@ -114,15 +114,44 @@ def test_the_lowest_mismatching_block_is_reported_whichever_share_found_it(bad, 
         sums[i] ^= 1
     assert block_shares.copy_blocks(memoryview(arena.reshape(-1)), offs, dest, sums, SLOT) == min(bad)
     assert block_shares.first_mismatch(sums, dest) == min(bad)
+    assert block_shares.first_mismatch(sums, dest, _addrs_of(dest)) == min(bad)  # natively, when built
 
 
-def test_first_mismatch_none_when_every_block_matches():
+def _addrs_of(views) -> np.ndarray:
+    return np.array([np.frombuffer(v, dtype=np.uint8).ctypes.data for v in views], dtype=np.uint64)
+
+
+@pytest.mark.parametrize("by_address", [False, True], ids=["views", "addrs"])
+def test_first_mismatch_none_when_every_block_matches(by_address, monkeypatch):
     arena = _arena(200)
     views = [memoryview(r) for r in arena]
     sums = [xxhash.xxh3_64_intdigest(r) for r in arena]
-    assert block_shares.first_mismatch(sums, views) is None
+    addrs = _addrs_of(views) if by_address else None
+    if by_address:
+        assert block_shares.native is not None, NOT_BUILT
+        calls: list[int] = []
+        real = block_shares.native
+
+        class Counted:
+            @staticmethod
+            def first_mismatch(*args):
+                calls.append(1)
+                return real.first_mismatch(*args)
+        monkeypatch.setattr(block_shares, "native", Counted)
+    assert block_shares.first_mismatch(sums, views, addrs) is None
     arena[150, 3] ^= 0xFF  # in the second share
-    assert block_shares.first_mismatch(sums, views) == 150
+    assert block_shares.first_mismatch(sums, views, addrs) == 150
+    if by_address:
+        assert len(calls) == 4  # two shares each time, both native
+
+
+def test_first_mismatch_refuses_fewer_addresses_than_blocks():
+    assert block_shares.native is not None, NOT_BUILT
+    arena = _arena(8)
+    views = [memoryview(r) for r in arena]
+    sums = [xxhash.xxh3_64_intdigest(r) for r in arena]
+    with pytest.raises(TransferError, match="7 block addresses for 8 blocks"):
+        block_shares.first_mismatch(sums, views, _addrs_of(views)[:7])
 
 
 @pytest.mark.parametrize("off, why", [(SLOT + 1, "slot"), (-SLOT, "outside"), (200 * SLOT, "outside"),
