@@ -1,5 +1,5 @@
 /* kvconnectors._blockcopy: the shm pull's per-block loop (copy a slot, check its xxh3) in C, and the
- * check alone (after a nixl READ).
+ * check alone (after a nixl READ), and the stager's row checksums.
  *
  * Why native (issue #15 item 9): in Python each 64 KiB block costs a ctypes memmove and an xxh3 call,
  * and xxhash's binding holds the GIL while it hashes, so two copying threads take turns instead of
@@ -96,6 +96,22 @@ static PyObject *py_first_mismatch(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(bad);
 }
 
+static PyObject *py_hash_rows(PyObject *self, PyObject *args) {
+    unsigned long long base, out;
+    long long stride, n, nbytes;
+    if (!PyArg_ParseTuple(args, "KLKLL", &base, &stride, &out, &n, &nbytes))
+        return NULL;
+    if (n < 0 || nbytes <= 0 || stride < nbytes || !base || !out) {
+        PyErr_Format(PyExc_ValueError, "hash_rows: stride=%lld n=%lld nbytes=%lld", stride, n, nbytes);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (long long i = 0; i < n; i++)
+        ((uint64_t *)(uintptr_t)out)[i] = XXH3_64bits((const char *)(uintptr_t)base + i * stride, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_copy_verify(PyObject *self, PyObject *args) {
     unsigned long long src, offs, dst, sums;
     long long start, stop, slot;
@@ -121,6 +137,10 @@ static PyMethodDef methods[] = {
      "(uint64 per block, or 0 for no check). Copies blocks start..stop, slot bytes each, without the\n"
      "GIL; returns the first block whose xxh3 differs from its sum, else -1. The caller checks every\n"
      "offset and address first and keeps the memory alive until it returns."},
+    {"hash_rows", py_hash_rows, METH_VARARGS,
+     "hash_rows(base, stride, out, n, nbytes) -> None\n\n"
+     "Raw addresses: rows at base + i * stride (nbytes each), out (uint64 per row). Writes each row's\n"
+     "xxh3 into out[i] for i < n, without the GIL."},
     {"first_mismatch", py_first_mismatch, METH_VARARGS,
      "first_mismatch(blocks, sums, start, stop, nbytes) -> int\n\n"
      "Raw addresses: blocks (uint64 per block), sums (uint64 per block). Hashes blocks start..stop,\n"

@@ -18,13 +18,13 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import xxhash
 
 from kvconnectors.mover.device import CopyEvent, DeviceOps
 from kvconnectors.mover.geometry import BlockGeometry
 from kvconnectors.store import TieredStore
 from kvconnectors.store.buffers import runs
 from kvconnectors.store.views import WriteTarget
+from kvconnectors.transport.block_shares import hash_rows
 
 
 @dataclass
@@ -180,8 +180,9 @@ class Stager:
                 # bounce rows are either exactly the NVMe rows (pinned arena) or every row
                 nvme_rows = copy.bounce if self.arena_pinned else copy.bounce[target.nvme_pos]
                 if self.checksum:
-                    for k, pos in enumerate(target.nvme_pos.tolist()):
-                        copy.sums[pos] = xxhash.xxh3_64_intdigest(nvme_rows[k])
+                    sums = np.empty(len(target.nvme_pos), dtype=np.uint64)
+                    hash_rows(nvme_rows[:len(sums)], sums)
+                    copy.sums[target.nvme_pos] = sums
         except BaseException:
             self.abandon(copy)
             raise
@@ -200,8 +201,7 @@ class Stager:
             if copy.bounce is not None and not self.arena_pinned:  # every row bounced
                 np.copyto(self._slots[first:first + b - a], copy.bounce[a:b])
             if self.checksum:
-                for k in range(b - a):
-                    copy.sums[a + k] = xxhash.xxh3_64_intdigest(self._slots[first + k])
+                hash_rows(self._slots[first:first + b - a], copy.sums[a:b])
 
     def abandon(self, copy: StagedCopy) -> None:
         """Give the slots back unwritten (the copy's transfer failed); waits for the copy first:

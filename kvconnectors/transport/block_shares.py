@@ -177,6 +177,23 @@ def first_mismatch(sums: Sequence[int], views: Sequence[memoryview], addrs: np.n
     return _in_shares(share, n)
 
 
+def hash_rows(rows: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = xxh3 of rows[i] for every row of a 2-D uint8 array with contiguous rows (the stager's
+    checksums); natively without the GIL, where python-xxhash holds it for every row."""
+    if rows.ndim != 2 or rows.dtype != np.uint8 or rows.strides[1] != 1:
+        raise ValueError(f"rows must be 2-D uint8 with contiguous rows, got {rows.dtype} {rows.shape} {rows.strides}")
+    if out.shape != (len(rows),) or out.dtype != np.uint64 or (len(rows) > 1 and out.strides[0] != 8):
+        raise ValueError(f"out must be {len(rows)} contiguous uint64, got {out.dtype} {out.shape}")
+    if not len(rows):
+        return
+    if native is not None and rows.shape[1] and rows.strides[0] >= rows.shape[1]:
+        native.hash_rows(rows.ctypes.data, rows.strides[0], out.ctypes.data, len(rows), rows.shape[1])
+        return
+    digest = xxhash.xxh3_64_intdigest
+    for i, row in enumerate(rows):
+        out[i] = digest(row)
+
+
 _behind: ThreadPoolExecutor | None = None
 
 

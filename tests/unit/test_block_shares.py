@@ -340,3 +340,19 @@ def test_check_behind_lets_the_caller_go_on_while_a_run_is_checked(monkeypatch):
     waiter.join(10)
     assert result == [None]
     behind.close()
+
+
+@pytest.mark.parametrize("impl", ["native", "python"], indirect=True)
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_hash_rows_is_each_rows_xxh3(impl, layout):
+    """The stager's checksums: natively (GIL-free) or in Python, each row's xxh3, rows of a wider
+    array too (strided: the arena's slots, or a bounce buffer's rows)."""
+    wide = np.random.default_rng(7).integers(0, 256, (50, SLOT + 64), dtype=np.uint8)
+    rows = wide[:, :SLOT] if layout == "strided" else np.ascontiguousarray(wide[:, :SLOT])
+    out = np.zeros(50, dtype=np.uint64)
+    block_shares.hash_rows(rows, out)
+    assert [int(x) for x in out] == [xxhash.xxh3_64_intdigest(r) for r in rows]
+    block_shares.hash_rows(rows[:0], out[:0])  # nothing to hash
+    with pytest.raises(ValueError, match="contiguous uint64"):
+        block_shares.hash_rows(rows, np.zeros(49, dtype=np.uint64))
+
