@@ -1,7 +1,7 @@
 """Loader: host bytes -> the engine's KV blocks.
 
 Where the engine's cache is host memory and each block one run (vLLM's CPU backend), a data path
-lands bytes in the blocks themselves: `direct_rows` / `direct_addrs` (no copy here at all).
+lands bytes in the blocks themselves: `direct_rows` and their `addrs()` (no copy here at all).
 Otherwise the bytes land in a page-locked host buffer (`landing_buffer`) and `load` enqueues one
 batched host->device scatter per layer on the copy stream; the load counts as finished only when
 its event is done.

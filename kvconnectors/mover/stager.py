@@ -181,7 +181,7 @@ class Stager:
                 nvme_rows = copy.bounce if self.arena_pinned else copy.bounce[target.nvme_pos]
                 if self.checksum:
                     sums = np.empty(len(target.nvme_pos), dtype=np.uint64)
-                    hash_rows(nvme_rows[:len(sums)], sums)
+                    hash_rows(nvme_rows, sums)  # nvme_rows[k] is the row at nvme_pos[k]
                     copy.sums[target.nvme_pos] = sums
         except BaseException:
             self.abandon(copy)

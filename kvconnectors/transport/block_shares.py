@@ -69,13 +69,11 @@ def _copy_share(src_base: int, offs: Sequence[int], dest: Sequence[memoryview], 
     `addrs`: dest's addresses, worked out by the caller in one numpy pass (each block's Python work
     runs under the GIL, which the two shares take turns at: taking a view's address here cost about
     a tenth of a 64 KiB block's copy)."""
-    memmove, digest, address = ctypes.memmove, xxhash.xxh3_64_intdigest, ctypes.addressof
+    memmove, digest = ctypes.memmove, xxhash.xxh3_64_intdigest
     for i in range(start, stop):
         view = dest[i]
-        if view.nbytes != slot:  # memmove trusts the length: a shorter view would be overrun
-            raise TransferError(FailureCause.PROTOCOL, f"destination block {i} holds {view.nbytes} B, "
-                                                       f"the producer's slots {slot} B")
-        memmove(addrs[i] if addrs is not None else address(ctypes.c_char.from_buffer(view)), src_base + offs[i], slot)
+        _check_size(view, i, slot)
+        memmove(addrs[i] if addrs is not None else _address(view), src_base + offs[i], slot)
         if sums is not None and digest(view) != sums[i]:
             return i
     return None
@@ -106,7 +104,7 @@ def copy_blocks(arena: memoryview, offsets: Sequence[int], dest: Sequence[memory
     (the destination is then not in cache; the slot is, and it is pinned and sealed on the producer,
     so it holds the bytes copied: what it cannot see is a producer writing a pinned slot during
     the copy), else the destination; the Python copy hashes the destination.
-    `dest_addrs` (uint64, the caller's own: dest[i]'s address, as Loader.direct_addrs gives them)
+    `dest_addrs` (uint64, the caller's own: dest[i]'s address, as BlockViews.addrs gives them)
     spares taking each view's address; the caller vouches that each holds `slot` bytes, as it vouches
     for the address itself (without them, each view's size is checked). Returns only when every
     share has stopped: no thread writes into `dest` after this returns, and `arena` (whose mapping the
@@ -147,11 +145,22 @@ def _addresses(dest: Sequence[memoryview], slot: int) -> np.ndarray:
     """Each writable view's address, once its size is checked (the native copy trusts the length)."""
     out = np.empty(len(dest), dtype=np.uint64)
     for i, view in enumerate(dest):
-        if view.nbytes != slot:
-            raise TransferError(FailureCause.PROTOCOL, f"destination block {i} holds {view.nbytes} B, "
-                                                       f"the producer's slots {slot} B")
-        out[i] = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        _check_size(view, i, slot)
+        out[i] = _address(view)
     return out
+
+
+def _check_size(view: memoryview, i: int, slot: int) -> None:
+    """Destination block i must hold a whole slot: the copy trusts the length, a shorter view would
+    be overrun."""
+    if view.nbytes != slot:
+        raise TransferError(FailureCause.PROTOCOL, f"destination block {i} holds {view.nbytes} B, "
+                                                   f"the producer's slots {slot} B")
+
+
+def _address(view: memoryview) -> int:
+    """A writable view's address (a read-only one is refused by from_buffer)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def first_mismatch(sums: Sequence[int], views: Sequence[memoryview], addrs: np.ndarray | None = None) -> int | None:

@@ -368,8 +368,9 @@ class ShmPull(_ArenaPull):
     def read_into(self, sock, peer, read, reply, dest, *, deadline, sums, dest_addrs=None) -> int:
         """One copy per block out of the producer's arena (mapped once per arena, see _shm_arena),
         each block hashed right after its copy, while it is still in cache (the slot, or the
-        destination: see block_shares.copy_blocks), in parallel shares (block_shares.py). The reply's shm_path is the producer's word: only a live store's arena under
-        SHM_DIR is opened (see _shm_arena), and its offsets are checked before anything is copied."""
+        destination: see block_shares.copy_blocks), in parallel shares (block_shares.py). The
+        reply's shm_path is the producer's word: only a live store's arena under SHM_DIR is opened
+        (see _shm_arena), and its offsets are checked before anything is copied."""
         if not reply.offsets or len(reply.offsets) != len(dest):
             raise TransferError(FailureCause.PROTOCOL, "shm reply without one offset per block")
         slot = dest[0].nbytes
