@@ -90,3 +90,56 @@ def test_the_owner_still_ends_its_own_transfers(srv) -> None:
     with pytest.raises(TransferError) as exc:
         srv.landing.wait("own", time.monotonic() + 1, time.monotonic() + 1)
     assert exc.value.cause is FailureCause.STORE_FULL and not srv.store.contains("own")
+
+
+# ---------------------------------------------------------------- issue 34, row 2: landed entries are owned
+LANDED_TOKEN = "landed-token-0123456789abcdefgh"
+
+
+def _push_all_with(c, tid: str, token: str, seed: int = 0) -> np.ndarray:
+    return np.stack([push(c, tid, [layer], 0, BLOCKS, BLOCKS, seed=seed + layer, seal=layer == LAYERS - 1,
+                          token=token) for layer in range(LAYERS)])
+
+
+def _refused_everything(c, tid: str, token: str) -> None:
+    """Read, Renew, Locate and Release of `tid` with `token` are each answered as for an unknown id."""
+    from sec_helpers import dest_views
+
+    _, dest = dest_views()
+    exc = refused(c.read, tid, range(LAYERS), 0, dest[:LAYERS * BLOCKS], fingerprint="fp-landing-security",
+                  deadline=time.monotonic() + RPC_S, token=token)
+    assert exc.cause is FailureCause.UNKNOWN_TRANSFER, exc
+    reply = c.renew([tid], time.monotonic() + RPC_S, tokens=[token])
+    assert tid in reply.missing and tid not in reply.remaining, reply
+    assert not c.locate(tid, time.monotonic() + RPC_S, token=token).found
+    exc = refused(c.release, tid, time.monotonic() + RPC_S, token=token)
+    assert exc.cause is FailureCause.UNKNOWN_TRANSFER, exc
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34 row 2: landed entries answered anyone who knew the id")
+@pytest.mark.parametrize("secret", [None, b"landing-owned-s3cret-s3cret"], ids=["no-secret", "secret"])
+def test_a_landed_entry_answers_only_to_its_transfers_token(secret) -> None:
+    srv = LandingServer(secret=secret)
+    try:
+        owner, stranger = srv.client(), srv.client()
+        data = _push_all_with(owner, "L", LANDED_TOKEN, seed=11)
+        for token in ("", "not-the-token-0123456789abcdefgh"):
+            _refused_everything(stranger, "L", token)
+        assert srv.store.contains("L") and np.array_equal(srv.landed("L", BLOCKS), data)
+        # the token's holder (the consumer's lease keeper, a rank reading it) is served
+        assert stranger.locate("L", time.monotonic() + RPC_S, token=LANDED_TOKEN).found
+        assert "L" in stranger.renew(["L"], time.monotonic() + RPC_S, tokens=[LANDED_TOKEN]).remaining
+        stranger.release("L", time.monotonic() + RPC_S, token=LANDED_TOKEN)
+        assert not srv.store.contains("L")
+    finally:
+        srv.close()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34 row 2: landed entries answered anyone who knew the id")
+def test_an_entry_landed_without_a_token_answers_nobody_on_the_wire(srv) -> None:
+    """A producer that sent no token (an older one) leaves an entry only its consumer reads, locally."""
+    owner, stranger = srv.client(), srv.client()
+    data = push_all(owner, "N", BLOCKS, seed=12)
+    for c in (stranger, owner):
+        _refused_everything(c, "N", "")
+    assert np.array_equal(srv.landed("N", BLOCKS), data)

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -210,3 +211,52 @@ def test_a_mapped_arena_replaced_by_a_symlink_is_not_read_through_the_cache(tmp_
     os.unlink(arena.shm_path)
     os.symlink(str(outside), arena.shm_path)
     refused(arena.shm_path, "symbolic link")
+
+
+# ---------------------------------------------------------------- issue 34, row 6: the arena is the ticket's
+@pytest.fixture
+def two_arenas(shm_files) -> Iterator[tuple[DramArena, DramArena]]:
+    """Two live store arenas of this user on this host: the ticket's producer's, and another's."""
+    made = []
+    for fill in (1, 0xAB):
+        a = DramArena(SLOT, SLOT * SLOTS, shm_name=shm_name())
+        shm_files.append(a.shm_path)
+        a.slots[:] = fill
+        made.append(a)
+    yield made[0], made[1]
+    for a in made:
+        a.close()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34 row 6: a reply could name any live arena of this host")
+def test_a_reply_naming_another_live_arena_than_the_tickets_is_refused(two_arenas) -> None:
+    ticketed, other = two_arenas
+    read = wire.Read(transfer_id="t", layers=[0], first_block=0, num_blocks=2, fingerprint="fp", data_path="shm")
+    bound = paths.ShmPull(arena=ticketed.shm_path)
+    dest = np.zeros((2, SLOT), dtype=np.uint8)
+    with pytest.raises(TransferError, match="not the arena its ticket names") as exc:
+        bound.read_into(None, "fake-producer:1", read, wire.ReadReply(ok=True, shm_path=other.shm_path,
+                                                                      offsets=[0, SLOT]),
+                        [memoryview(r) for r in dest], deadline=time.monotonic() + 2, sums=None)
+    assert exc.value.cause is FailureCause.PROTOCOL and not dest.any(), "another request's KV was copied"
+    bound.read_into(None, "producer:1", read, wire.ReadReply(ok=True, shm_path=ticketed.shm_path, offsets=[0, SLOT]),
+                    [memoryview(r) for r in dest], deadline=time.monotonic() + 2, sums=None)
+    assert (dest == 1).all()
+    with pytest.raises(TransferError, match="names no shm arena"):
+        paths.ShmPull(arena="").read_into(None, "p:1", read, wire.ReadReply(ok=True, shm_path=ticketed.shm_path,
+                                                                            offsets=[0, SLOT]),
+                                          [memoryview(r) for r in dest], deadline=time.monotonic() + 2, sums=None)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 34 row 6: the ticket named rank 0's arena only")
+def test_the_ticket_names_each_producer_ranks_arena() -> None:
+    from kvconnectors.tiered import params as kvparams
+
+    ticket = kvparams.TransferParams(
+        v=kvparams.PARAMS_VERSION, transfer_id="t", addrs=[kvparams.PeerAddress("127.0.0.1", 7000 + r) for r in range(2)],
+        num_tokens=64, num_blocks=2, block_size=32, fingerprint="fp", prompt_hash="h", lease_ttl_s=30, issued_at=0,
+        transport="shm", shm_path="/dev/shm/kvc_a_0_1", shm_paths=["/dev/shm/kvc_a_0_1", "/dev/shm/kvc_a_1_2"],
+        token="t" * 32, tp_size=2, kv_heads=2)
+    assert [kvparams.shm_arena(ticket, r) for r in range(2)] == ["/dev/shm/kvc_a_0_1", "/dev/shm/kvc_a_1_2"]
+    older = msgspec.structs.replace(ticket, shm_paths=[])
+    assert kvparams.shm_arena(older, 0) == "/dev/shm/kvc_a_0_1" and kvparams.shm_arena(older, 1) == ""
