@@ -69,8 +69,9 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         "handshake: the secret authenticates the handshake only; aead: every frame and KV byte after it is "
         "sealed (AES-256-GCM; needs the secret, v4 peers with the same setting, transport tcp or shm)")] = "handshake"
     allow_previous_wire: Annotated[bool, _doc(
-        "admit peers of the previous wire version (rolling upgrades: one-way auth, no transfer tokens); "
-        "set false once the whole pool is upgraded")] = True
+        "admit peers of the previous wire version v3 (a rolling upgrade of a pool without a shared secret: v3 "
+        "has no transfer tokens and its server proves nothing); refused beside a secret. Set it back to false "
+        "once the whole pool is upgraded")] = False
     server_idle_timeout_s: Annotated[Seconds, _doc("store server: close a connection idle this long")] = 300.0
     max_concurrent_loads: Annotated[int, _doc("pull threads per worker", ge=1)] = 4
     idle_wait_s: Annotated[float, _doc(
@@ -106,6 +107,7 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         self._check_exposure()  # any transport: a wildcard bind needs a secret or allow_insecure
         _nixl_needs_secret(self.transport, self.bind_host, self.secret_file)  # nixl: any non-loopback bind
         self._check_protection()
+        self._check_previous_wire()
         if self.heartbeat_interval_s is None:
             self.heartbeat_interval_s = self.lease_ttl_s / 3
         if self.heartbeat_interval_s >= self.lease_ttl_s:
@@ -151,6 +153,18 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
                 "cannot seal transport 'nixl': NIXL moves the KV bytes itself, outside the sealed connection; use "
                 "transport 'tcp' across hosts (or 'shm' on one host) with aead, or wire_protection 'handshake' "
                 "on a trusted network"))
+
+    def _check_previous_wire(self) -> None:
+        """v3 authenticates one way (its server proves nothing), so a side holding the secret that
+        spoke it could be downgraded by anyone who says "v3 only": never both."""
+        from kvconnectors.transport.auth import SECRET_ENV  # noqa: PLC0415 - config stays light to import
+
+        if self.allow_previous_wire and (self.secret_file or os.environ.get(SECRET_ENV)):
+            raise ConfigError("allow_previous_wire", True, (
+                f"cannot be combined with a shared secret (secret_file or {SECRET_ENV}): the previous wire version "
+                "v3 authenticates one way only, so a peer that says it speaks only v3 would be trusted without "
+                "proving the secret. Upgrade the pool's instances together (or per prefill/decode pair), or roll "
+                "forward without a secret on a trusted network"))
 
     @property
     def compat(self) -> str | dict[int, str]:

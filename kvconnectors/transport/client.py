@@ -30,11 +30,12 @@ class StoreClient:
     """One connection to a store server, authenticated at connect time.
 
     `compat`: the hash this side presents, or one per protocol version it may speak
-    (wire.compat_hashes: the previous version too). Given both, a server that admits only the
-    previous version (an instance not yet upgraded) is spoken to in that version: one-way
-    authentication and no transfer tokens, which that server does not check anyway. With a
-    `secret`, a server of this version must prove it holds the same secret before this side proves
-    anything (auth.py); one that cannot is refused with cause auth.
+    (wire.compat_hashes: the previous version too). Given both and no `secret`, a server that
+    admits only the previous version (an instance not yet upgraded) is spoken to in that version:
+    no authentication and no transfer tokens, which that server does not check anyway. With a
+    `secret`, the server must prove it holds the same secret before this side proves anything
+    (auth.py); one that cannot, or that admits only the previous version (whose server proves
+    nothing), is refused with cause auth: a secret holder is never downgraded.
 
     `protection` (the TieredConnector setting wire_protection): "aead" seals every frame and KV
     byte after the handshake (sealed.py); it needs `secret` and a v4 server that runs "aead" too
@@ -61,7 +62,12 @@ class StoreClient:
                     raise TransferError(FailureCause.AUTH, (
                         f"producer {self.address} admits only protocol v{older.version}, which cannot seal the "
                         "connection; wire_protection 'aead' needs v4 on both sides"), refused=True) from None
-                version = older.version  # an instance not upgraded yet: speak its version
+                if secret is not None:  # v3's server proves nothing: falling back would trust anyone
+                    raise TransferError(FailureCause.AUTH, (
+                        f"producer {self.address} admits only protocol v{older.version}, whose server proves "
+                        "nothing (one-way authentication); a side holding the shared secret never speaks it. "
+                        "Upgrade that producer"), refused=True) from None
+                version = older.version  # an instance not upgraded yet, in a pool without a secret
             except BaseException:
                 self.close()
                 raise
@@ -93,11 +99,12 @@ class StoreClient:
             if version > older and version not in admitted and older in admitted and older in self._hashes:
                 raise _Older(older)
             raise TransferError(FailureCause.PROTOCOL, f"producer {self.address} refused: {welcome.error[:500]}")
-        if version < 4:
-            self._legacy_auth(welcome, secret, deadline)
-            self.session = auth.Session(id=auth.session_id(None), version=version,
-                                        authenticated=welcome.nonce is not None, mutual=False, peer=self.address,
-                                        peer_name=peer_name)
+        if version < 4:  # only without a secret (see __init__)
+            if welcome.nonce is not None:
+                raise TransferError(FailureCause.AUTH, f"producer {self.address} requires a shared secret; "
+                                                       f"none is configured here ({auth.SECRET_ENV} or secret_file)")
+            self.session = auth.Session(id=auth.session_id(None), version=version, authenticated=False, mutual=False,
+                                        peer=self.address, peer_name=peer_name)
             return
         if welcome.protection != self.protection:  # checked again through the proof (the transcript)
             raise TransferError(FailureCause.AUTH, wire.protection_mismatch(self.protection, welcome.protection,
@@ -134,18 +141,6 @@ class StoreClient:
             send_key, recv_key = direction_keys(key, client=True)
             self.sock = SealedSocket(self.sock, send_key=send_key, recv_key=recv_key, peer=f"producer {self.address}",
                                      on_failure=_hang_up)
-
-    def _legacy_auth(self, welcome: wire.Welcome, secret: bytes | None, deadline: float) -> None:
-        """v3: the server sends a nonce when it requires the secret and proves nothing itself."""
-        if welcome.nonce is None:
-            return
-        if secret is None:
-            raise TransferError(FailureCause.AUTH, f"producer {self.address} requires a shared secret; "
-                                                   f"none is configured here ({auth.SECRET_ENV} or secret_file)")
-        self._send(wire.Proof(mac=auth.prove_legacy(secret, welcome.nonce)))
-        ack = self._expect(wire.Ack, deadline)
-        if not ack.ok:
-            raise TransferError(FailureCause.AUTH, f"producer {self.address}: {ack.message}")
 
     def _abort(self, deadline: float) -> None:
         """Tell the server why we hang up (it counts a failed authentication) and wait briefly for

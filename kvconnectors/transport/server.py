@@ -27,7 +27,8 @@ an id never granted is unknown too. Refusals sent to a peer that has not authent
 neither this server's compat hash nor its layout fingerprint; failed authentications are counted
 (ServerCounters.auth_failures, StatusReply.auth_failures) and logged at most once per
 `log_interval_s` with the count of those not logged. Peers of the previous protocol version are
-admitted too (wire.ACCEPTED_VERSIONS) unless `compat` names only the current one.
+admitted too (wire.ACCEPTED_VERSIONS) when `compat` names it and the server holds no secret: v3
+authenticates one way only, so a secret holder never admits it (nor does its client speak it).
 
 wire_protection (`protection`): "aead" seals every frame and KV byte after the handshake
 (sealed.py); it needs the secret, admits only v4 peers that run "aead" too (the refusal names both
@@ -420,8 +421,17 @@ class StoreServer:
                 f"{wire.PROTECTION_MISMATCH}: this server runs {wire.AEAD!r}, which needs protocol v4; the peer "
                 f"speaks v{hello.version} (upgrade it, or run wire_protection {wire.HANDSHAKE!r} until the pool is)"))
             return None
+        if hello.version < 4 and self.secret is not None:
+            # v3 authenticates one way and binds nothing to the connection: a secret holder admits only v4
+            self.counters.reject("previous_wire")
+            self._welcome_refusal(sock, (
+                f"its protocol v{hello.version} authenticates one way only; this server holds the shared secret "
+                "and admits previous-version peers only in a pool without one (upgrade the peer)"))
+            return None
         if hello.version < 4:
-            return self._legacy_handshake(sock, hello, peer, deadline)
+            wire.send_msg(sock, wire.Welcome(ok=True))
+            return Session(id=auth.session_id(None), version=hello.version, authenticated=False, mutual=False,
+                           peer=peer, peer_name=hello.peer)
         if not isinstance(hello.nonce, bytes) or len(hello.nonce) != auth.NONCE_BYTES:
             self.counters.reject("protocol")
             self._welcome_refusal(sock, f"a v{hello.version} Hello carries a {auth.NONCE_BYTES}-byte nonce")
@@ -450,25 +460,6 @@ class StoreServer:
         wire.send_msg(sock, wire.Ack(ok=True))
         return Session(id=auth.session_id(th), version=hello.version, authenticated=True, mutual=True, peer=peer,
                        peer_name=hello.peer, key=auth.session_key(self.secret, th), protection=self.protection)
-
-    def _legacy_handshake(self, sock: socket.socket, hello: wire.Hello, peer: str, deadline: float) -> Session | None:
-        """v3: the one-way challenge (the server signs nothing; the peer signs our nonce)."""
-        if self.secret is None:
-            wire.send_msg(sock, wire.Welcome(ok=True))
-            return Session(id=auth.session_id(None), version=hello.version, authenticated=False, mutual=False,
-                           peer=peer, peer_name=hello.peer)
-        nonce = auth.new_nonce()
-        wire.send_msg(sock, wire.Welcome(ok=True, nonce=nonce))
-        try:
-            proof = wire.recv_msg(sock, deadline=deadline)
-        except TransferError:
-            proof = None
-        if not isinstance(proof, wire.Proof) or not auth.verify_legacy(self.secret, nonce, proof.mac):
-            self._auth_failed(sock, peer, proof)
-            return None
-        wire.send_msg(sock, wire.Ack(ok=True))
-        return Session(id=auth.session_id(None), version=hello.version, authenticated=True, mutual=False, peer=peer,
-                       peer_name=hello.peer)
 
     def _welcome_refusal(self, sock: socket.socket, error: str) -> None:
         try:

@@ -63,7 +63,6 @@ class V3OnlyFake:
         self._thread.join(timeout=10)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 1: downgrade")
 def test_a_secret_holder_never_falls_back_to_a_v3_server_that_proves_nothing() -> None:
     fake = V3OnlyFake()
     _, dest = dest_views()
@@ -78,7 +77,6 @@ def test_a_secret_holder_never_falls_back_to_a_v3_server_that_proves_nothing() -
     assert not fake.requests, f"the fake got {fake.requests!r}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 1: downgrade")
 def test_a_server_holding_a_secret_refuses_a_v3_peer_even_with_the_window_open(make_server) -> None:
     srv = make_server(secret=SECRET, compat=wire.compat_hashes("tiered"))
     with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
@@ -95,7 +93,6 @@ def test_without_a_secret_the_window_still_admits_v3_when_asked_for(make_server)
         assert c.version == 3 and c.status(time.monotonic() + 3).entries == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 1: downgrade")
 def test_allow_previous_wire_is_off_by_default() -> None:
     from kvconnectors.tiered.config import TieredConfig
 
@@ -104,7 +101,6 @@ def test_allow_previous_wire_is_off_by_default() -> None:
     assert cfg.compat == wire.compat_hash("tiered"), "the default must admit this wire version only"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 1: downgrade")
 def test_allow_previous_wire_beside_a_secret_is_refused_at_start_up(monkeypatch, tmp_path) -> None:
     from kvconnectors.tiered.config import TieredConfig
 
@@ -116,7 +112,6 @@ def test_allow_previous_wire_beside_a_secret_is_refused_at_start_up(monkeypatch,
     assert TieredConfig.from_extra({"allow_previous_wire": True}).compat == wire.compat_hashes("tiered")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 1: downgrade")
 def test_the_consumer_with_a_secret_refuses_a_v3_only_producer_naming_the_reason(make_server) -> None:
     """A real server not upgraded yet (admits v3 only) holding the same secret: still refused,
     because v3 authenticates one way only."""

@@ -7,10 +7,10 @@ and the real store server.
   (seen to fail on f51b62c: "the fake got a session"). Now the server's proof is over the
   consumer's own nonce, which the fake's connection did not carry: the consumer refuses the fake
   and never sends a proof.
-- downgrade: the fake claims to admit only the previous version, so the consumer falls back to
-  the one-way v3 challenge and the fake relays its answer. Bounded, not closed, while
-  allow_previous_wire is on: the fake's v3 session reaches no entry granted a token. With the
-  window closed (compat of this version only) the consumer does not fall back.
+- downgrade: the fake claims to admit only the previous version. Before issue 34 the consumer fell
+  back to the one-way v3 challenge and the fake relayed its answer (bounded: the fake's v3 session
+  reached no entry granted a token). Now a consumer holding the secret never falls back, with or
+  without the previous version's hash (test_downgrade.py has the fake that proves nothing).
 - transparent relay (a TCP proxy that also injects frames): no handshake alone can stop it (the
   frames after it carry no MAC; see the README's threat model). Bounded: the injected Read and
   Release of another request's entry are refused as an unknown id, because the fake does not hold
@@ -154,7 +154,8 @@ class FakeServer:
 
 @pytest.fixture
 def real(make_server):
-    """The producer's store server, admitting the previous version too (allow_previous_wire, the default)."""
+    """The producer's store server, given the previous version's hash too (it holds the secret, so it
+    admits v4 peers only)."""
     srv = make_server(secret=SECRET, compat=wire.compat_hashes("tiered"))
     stage(srv.store, "victim", seed=1)
     stage(srv.store, "mine", seed=2)
@@ -186,18 +187,18 @@ def test_a_fake_that_cannot_prove_the_secret_is_refused_before_the_consumer_prov
     assert exc.value.cause is FailureCause.AUTH and "does not prove" in exc.value.detail, exc.value
 
 
-def test_a_downgraded_relay_reaches_no_entry_granted_a_token(real) -> None:
+def test_a_consumer_holding_the_secret_is_not_downgraded_by_a_relay(real) -> None:
+    """The fake claims to admit only v3: a secret holder does not fall back (issue 34), so the fake
+    gets no proof and no session, even with the previous version's hash on the consumer's side."""
     fake = FakeServer(real.port, "downgrade")
     try:
-        c = StoreClient("127.0.0.1", fake.port, compat=wire.compat_hashes("tiered"), secret=SECRET,
+        with pytest.raises(TransferError) as exc:
+            StoreClient("127.0.0.1", fake.port, compat=wire.compat_hashes("tiered"), secret=SECRET,
                         connect_timeout_s=3)
-        c.close()
     finally:
         fake.close()
-    assert fake.session, "the downgrade is bounded, not closed, while the previous version is admitted"
-    read, release = fake.stolen
-    assert isinstance(read, wire.ReadReply) and not read.ok and read.cause == "unknown_transfer", read
-    assert isinstance(release, wire.Ack) and not release.ok and release.cause == "unknown_transfer", release
+    assert exc.value.cause is FailureCause.AUTH and "never speaks it" in exc.value.detail, exc.value
+    assert not fake.got_proof and not fake.session
     assert real.store.contains("victim")
 
 

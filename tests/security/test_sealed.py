@@ -290,8 +290,10 @@ def test_a_previous_version_peer_cannot_use_aead(make_server) -> None:
         StoreClient("127.0.0.1", old.port, compat=wire.compat_hashes("tiered"), secret=SECRET, connect_timeout_s=3,
                     protection=AEAD)
     assert exc.value.cause is FailureCause.AUTH and "cannot seal" in exc.value.detail, exc.value
-    # the default still falls back (allow_previous_wire keeps working)
-    StoreClient("127.0.0.1", old.port, compat=wire.compat_hashes("tiered"), secret=SECRET, connect_timeout_s=3).close()
+    # nor does a secret holder under "handshake" (issue 34: v3's server proves nothing)
+    with pytest.raises(TransferError) as exc:
+        StoreClient("127.0.0.1", old.port, compat=wire.compat_hashes("tiered"), secret=SECRET, connect_timeout_s=3)
+    assert exc.value.cause is FailureCause.AUTH and "never speaks it" in exc.value.detail, exc.value
 
 
 def test_nixl_is_refused_under_aead_and_shm_is_served(make_server) -> None:

@@ -236,43 +236,42 @@ def test_a_v3_peer_presents_no_token_so_a_granted_entry_is_unknown_to_it(server)
     assert server.store.contains("granted")
 
 
-def test_a_v3_peer_with_the_secret_passes_the_one_way_challenge() -> None:
+def test_a_v3_peer_is_refused_by_a_server_holding_the_secret() -> None:
+    """v3's one-way challenge binds nothing to the connection and its server proves nothing: a
+    server that holds the secret admits no v3 peer, whatever secret the peer holds (issue 34)."""
     from kvconnectors.transport.server import StoreServer
 
     store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=16 * SLOT))
     srv = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=wire.compat_hashes("tiered"),
                       secret=SECRET)
     try:
-        good = OldPeer(srv.port, version=3, secret=SECRET)
-        assert good.welcome.ok and good.welcome.nonce and good.auth == Ack(ok=True), (good.welcome, good.auth)
-        good.send(Status())
-        assert isinstance(good.recv(), StatusReply)
-        good.close()
-        bad = OldPeer(srv.port, version=3, secret=b"another-secret-another")
-        assert bad.auth.ok is False and bad.auth.cause == "auth", bad.auth
-        bad.close()
-        assert srv.counters.auth_failures == 1
+        for secret in (SECRET, b"another-secret-another", None):
+            peer = OldPeer(srv.port, version=3, secret=secret)
+            peer.close()
+            assert not peer.welcome.ok and peer.welcome.nonce is None, peer.welcome
+            assert "authenticates one way only" in peer.welcome.error, peer.welcome.error
+        assert srv.counters.rejected.get("previous_wire") == 3 and srv.counters.auth_failures == 0
     finally:
         srv.close()
         store.close()
 
 
 def test_a_v4_client_speaks_v3_to_a_server_that_admits_only_v3() -> None:
-    """The client side of the window: an instance not upgraded yet is spoken to in its version
-    (its refusal names the versions it admits); without the previous version's hash the client
-    does not fall back."""
+    """The client side of the window, in a pool without a secret: an instance not upgraded yet is
+    spoken to in its version (its refusal names the versions it admits); without the previous
+    version's hash the client does not fall back."""
     from kvconnectors.transport.client import StoreClient
     from kvconnectors.transport.server import StoreServer
 
     store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=16 * SLOT))
     srv = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS,
-                      compat={3: wire.compat_hash("tiered", version=3)}, secret=SECRET)
+                      compat={3: wire.compat_hash("tiered", version=3)})
     try:
-        with StoreClient("127.0.0.1", srv.port, compat=wire.compat_hashes("tiered"), secret=SECRET) as c:
-            assert c.version == 3 and c.session.authenticated and not c.session.mutual
+        with StoreClient("127.0.0.1", srv.port, compat=wire.compat_hashes("tiered")) as c:
+            assert c.version == 3 and not c.session.authenticated and not c.session.mutual
             assert c.status(time.monotonic() + 5).entries == 0
         with pytest.raises(TransferError, match="admits v3"):
-            StoreClient("127.0.0.1", srv.port, compat=wire.compat_hash("tiered"), secret=SECRET)
+            StoreClient("127.0.0.1", srv.port, compat=wire.compat_hash("tiered"))
     finally:
         srv.close()
         store.close()
@@ -327,12 +326,12 @@ def test_the_v3_window_is_what_admits_a_v3_peer(monkeypatch, window) -> None:
 
 
 def test_allow_previous_wire_false_refuses_a_v3_peer() -> None:
-    """The setting that closes the window once a pool is upgraded."""
+    """The setting that opens the window for a rolling upgrade (off by default) and closes it."""
     from kvconnectors.tiered.config import TieredConfig
     from kvconnectors.transport.server import StoreServer
 
-    assert TieredConfig.from_extra({}).compat == wire.compat_hashes("tiered")
-    compat = TieredConfig.from_extra({"allow_previous_wire": False}).compat
+    assert TieredConfig.from_extra({"allow_previous_wire": True}).compat == wire.compat_hashes("tiered")
+    compat = TieredConfig.from_extra({}).compat  # off by default (issue 34)
     store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=16 * SLOT))
     srv = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=compat)
     try:
