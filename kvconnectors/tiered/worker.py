@@ -189,7 +189,7 @@ class TieredConnectorWorker:
                                    and not self._row_layout.mla else None)
         # peers of the previous wire version too (allow_previous_wire): pools are upgraded one at a time.
         # A producer-only server knows every transfer by its token (granted when its staging starts);
-        # a landing store also holds pushed entries, which are granted no token here.
+        # a landing store's pushed entries answer to the token their pushes carried (landing.py).
         self.server = StoreServer(self.store, cfg.bind_host, port, fingerprint=self.layout.fingerprint,
                                   rows_fingerprint=self.layout.rows_fingerprint,
                                   num_layers=self.layout.num_layers, compat=self._compat,
@@ -375,14 +375,14 @@ class TieredConnectorWorker:
         if self.pusher is None or not (layers or end):
             return
         if not layers:
-            self._submit_push(spec.transfer_id, end=True)
+            self._submit_push(spec.transfer_id, end=True, token=spec.token)
             return
         n = len(spec.block_ids)
         sums = self._checksums[spec.transfer_id]
         checksums = (np.concatenate([sums[layer, spec.first_block:spec.first_block + n] for layer in layers])
                      .tolist() if self.config.checksum else None)
         self._submit_push(spec.transfer_id, layers=layers, first_block=spec.first_block, num_blocks=n,
-                          checksums=checksums, end=end)
+                          checksums=checksums, end=end, token=spec.token)
 
     def wait_for_save(self, meta: TieredConnectorMetadata) -> None:
         if self.store is None:

@@ -40,7 +40,11 @@ Who may do what (the landing side faces any peer that reaches the store port):
 - Lease. Until sealed, the entry's lease is renewed only by its owner's pushes (the store entry
   is created with a writer): a stranger's Renew, or Release, is answered "unknown" and neither
   keeps it alive nor ends it.
-  From the seal on, anyone who names it may renew it (the consumer's lease keeper does).
+- Capability. The first Push's `token` (the ticket's) is the entry's: from then on every Read,
+  Renew, Release and Locate of it on the wire must present it (`token_of`, checked by the store
+  server), as for a producer's entries; without it the entry reads exactly like an unknown id. An
+  entry pushed without a token answers nobody on the wire (its consumer reads it locally). The
+  consumer's lease keeper presents the ticket's token.
 - Receive buffers. A push borrows from one pool shared by every connection (`ReceiveBuffers`; a
   tcp push one chunk, for its rows bound for NVMe; a fault-wrapped one its whole group): at most
   `max_receive_bytes` in all (default: a
@@ -228,6 +232,7 @@ class Landing:
         # transfer id -> bytes landed per data path (bounded like _seen: a request may never come)
         self._path_bytes: OrderedDict[str, dict[str, int]] = OrderedDict()
         self._heads: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # head fragment id -> its heads (bounded too)
+        self._tokens: OrderedDict[str, str] = OrderedDict()  # transfer id -> its first Push's token ("": none)
         self.counters = {"pushes": 0, "push_bytes": 0, "landed": 0, "failed": 0, "refused_foreign": 0}
 
     # ------------------------------------------------------------------ consumer side
@@ -269,6 +274,13 @@ class Landing:
             self._seen.pop(transfer_id, None)
             self._path_bytes.pop(transfer_id, None)
             self._heads.pop(transfer_id, None)
+            self._tokens.pop(transfer_id, None)
+
+    def token_of(self, transfer_id: str) -> str | None:
+        """The token a landed (or landing) transfer answers to on the wire ("" : to none); None for an
+        id that never landed here."""
+        with self._cond:
+            return self._tokens.get(transfer_id)
 
     def heads_of(self, transfer_id: str) -> tuple[int, ...] | None:
         """The head range a fragment landed here says it fills; None: whole rows (or unknown)."""
@@ -289,6 +301,7 @@ class Landing:
             self._seen.pop(transfer_id, None)
             self._path_bytes.pop(transfer_id, None)
             self._heads.pop(transfer_id, None)
+            self._tokens.pop(transfer_id, None)
             rec = self._inflight.pop(transfer_id, None)
         try:
             self.store.release(transfer_id, writer=rec.writer if rec is not None else None)
@@ -560,6 +573,7 @@ class Landing:
                 except ValueError:  # created meanwhile, not through us
                     raise _Foreign(f"transfer {tid!r} exists here and is not this producer's") from None
                 self._inflight[tid] = rec
+                self._keep_token(tid, msg.token)
                 if heads is not None:
                     self._heads[tid] = heads
                     while len(self._heads) > MAX_FAILURES:
@@ -583,6 +597,17 @@ class Landing:
         conn.open.add(tid)
         self.store.renew(tid, writer=rec.writer)  # arriving data keeps the landing lease alive
         return rec
+
+    def _keep_token(self, tid: str, token: str) -> None:
+        """Bind `tid` to `token` (bounded: beyond MAX_FAILURES, tokens of entries that ended go first;
+        a live entry that loses its token answers nobody on the wire, never anybody)."""
+        self._tokens[tid] = token
+        if len(self._tokens) > MAX_FAILURES:
+            live = set(self.store.keys())
+            for old in [t for t in self._tokens if t not in live][:len(self._tokens) - MAX_FAILURES]:
+                del self._tokens[old]
+            while len(self._tokens) > MAX_FAILURES:
+                self._tokens.popitem(last=False)
 
     def _prune_locked(self) -> None:
         """Forget in-flight records whose store entry ended without a word from its producer (its
@@ -801,6 +826,7 @@ class Landing:
             self.counters["failed"] += 1
             self._path_bytes.pop(tid, None)
             self._heads.pop(tid, None)
+            self._tokens.pop(tid, None)
             self._failed[tid] = exc
             while len(self._failed) > MAX_FAILURES:
                 self._failed.popitem(last=False)

@@ -71,6 +71,7 @@ class PushJob:
     fingerprint: str = ""                   # the receiving rank's rows fingerprint (default: the sender's)
     wire_id: str = ""                       # the id it lands under (default: transfer_id; a head fragment's own)
     fragment: HeadRange | None = None       # a head fragment: the receiving rank's heads these rows fill
+    token: str = ""                         # the ticket's token: the landed copy answers only to it
 
     @property
     def landing_id(self) -> str:
@@ -198,7 +199,7 @@ class PushSender:
             heads.append(dict(transfer_id=job.landing_id, num_layers=self.num_layers, total_blocks=total_blocks,
                               fingerprint=job.fingerprint or self.fingerprint, layers=job.layers,
                               first_block=start, num_blocks=n, checksums=sums, seal=job.end and start + n == end,
-                              heads=list(job.fragment) if job.fragment is not None else None))
+                              heads=list(job.fragment) if job.fragment is not None else None, token=job.token))
         return heads
 
     def _push(self, client: StoreClient, job: PushJob, deadline: float) -> None:

@@ -116,7 +116,6 @@ def _refused_everything(c, tid: str, token: str) -> None:
     assert exc.cause is FailureCause.UNKNOWN_TRANSFER, exc
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 2: landed entries answered anyone who knew the id")
 @pytest.mark.parametrize("secret", [None, b"landing-owned-s3cret-s3cret"], ids=["no-secret", "secret"])
 def test_a_landed_entry_answers_only_to_its_transfers_token(secret) -> None:
     srv = LandingServer(secret=secret)
@@ -135,7 +134,6 @@ def test_a_landed_entry_answers_only_to_its_transfers_token(secret) -> None:
         srv.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 2: landed entries answered anyone who knew the id")
 def test_an_entry_landed_without_a_token_answers_nobody_on_the_wire(srv) -> None:
     """A producer that sent no token (an older one) leaves an entry only its consumer reads, locally."""
     owner, stranger = srv.client(), srv.client()

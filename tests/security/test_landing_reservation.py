@@ -75,9 +75,12 @@ def test_only_the_owners_pushes_keep_an_unfinished_reservation_alive() -> None:
         with pytest.raises(Exception) as exc:
             srv.landing.wait("left", time.monotonic() + 1, time.monotonic() + 1)
         assert getattr(exc.value, "cause", None) is FailureCause.LEASE_EXPIRED
-        # once sealed, the landed copy is the consumer's: its lease keeper renews it (any connection)
-        push_all(owner, "done", 2)
-        assert "done" in stranger.renew(["done"], time.monotonic() + RPC_S).remaining
+        # once sealed, the landed copy is the consumer's: its lease keeper renews it (any connection
+        # presenting the ticket's token, issue 34)
+        token = "done-token-0123456789abcdefghijk"
+        for layer in range(LAYERS):
+            push(owner, "done", [layer], 0, 2, 2, seed=layer, seal=layer == LAYERS - 1, token=token)
+        assert "done" in stranger.renew(["done"], time.monotonic() + RPC_S, tokens=[token]).remaining
         still_serves(owner)
     finally:
         srv.close()

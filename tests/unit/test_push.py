@@ -315,10 +315,11 @@ def test_nixl_push_lands_byte_exact() -> None:
 
 
 def test_locate_reports_the_tiers_holding_an_entry(pair) -> None:
-    pair.stage_and_push("t")
+    token = "locate-token-0123456789abcdefghi"
+    pair.stage_and_push("t", token=token)
     landed(pair, "t")
     with StoreClient("127.0.0.1", pair.dst_server.port, compat=COMPAT) as c:
-        where = c.locate("t", time.monotonic() + 2)
+        where = c.locate("t", time.monotonic() + 2, token=token)  # the ticket's token (issue 34)
         assert (where.found, where.dram_slots, where.nvme_slots) == (True, LAYERS * BLOCKS, 0)
         assert not c.locate("nope", time.monotonic() + 2).found
 
@@ -496,7 +497,6 @@ def test_a_request_dropped_while_its_push_is_landing_frees_the_landing_copy(pair
     assert pair.done["dropped"].refused and pair.src.contains("dropped")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 2: pushes carried no token, landed copies answered anyone")
 def test_pushes_carry_the_tickets_token_and_the_landed_copy_answers_only_to_it(pair) -> None:
     token = "push-token-0123456789abcdefghij"
     data = pair.stage_and_push("tok", token=token)
