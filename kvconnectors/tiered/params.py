@@ -52,11 +52,20 @@ class TransferParams(msgspec.Struct, forbid_unknown_fields=True):
     lease_ttl_s: float              # remaining TTL when issued
     issued_at: float                # producer wall clock at issue, for diagnostics only
     transport: str = "tcp"
-    shm_path: str = ""
+    shm_path: str = ""              # rank 0's shm arena (what tickets before shm_paths named)
     push_target: str = ""           # push mode: the landing store (rank 0) the producer streamed to
     token: str = ""                 # v3: the transfer's capability at the producer's store servers
     tp_size: int = 0                # v4: the producer's TP size (= len(addrs): addrs[r] serves rank r's heads)
     kv_heads: int = 0               # v4: the model's KV heads (vLLM's split gives each rank's range)
+    shm_paths: list[str] = []       # transport shm: each rank's arena; a reply naming another is refused
+
+
+def shm_arena(p: TransferParams, rank: int) -> str:
+    """The shm arena producer rank `rank` named in the ticket ("" when it named none): the only
+    one a consumer copies that rank's KV out of, whatever a reply says."""
+    if p.shm_paths:
+        return p.shm_paths[rank] if rank < len(p.shm_paths) else ""
+    return p.shm_path if rank == 0 else ""  # a ticket of before shm_paths: rank 0's only
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -107,6 +116,8 @@ def parse(params: dict[str, Any], prompt_token_ids: list[int] | None, block_size
         raise bad("addrs", "needs host and a port in 1..65535 per rank")
     if p.v >= 4 and p.tp_size != len(p.addrs):
         raise bad("tp_size", f"must equal the {len(p.addrs)} producer addresses (one per rank)")
+    if p.shm_paths and len(p.shm_paths) != len(p.addrs):
+        raise bad("shm_paths", f"must name one arena per producer rank ({len(p.addrs)})")
     if p.v >= 4 and not 0 < p.kv_heads <= 1 << 16:
         raise bad("kv_heads", "must be a positive number of KV heads")
     if not 0 < p.num_tokens <= _MAX_TOKENS:

@@ -55,7 +55,7 @@ class TieredConnectorScheduler:
         self._addrs: list[kvparams.PeerAddress] = []
         self._fingerprint = ""
         self._kv_heads = 0
-        self._shm_path = ""
+        self._shm_paths: list[str] = []  # each rank's shm arena (transport shm), named in every ticket
         self._producing: dict[str, _Producing] = {}
         self._recvs: list[RecvSpec] = []
         self._drops: list[str] = []
@@ -92,7 +92,7 @@ class TieredConnectorScheduler:
         self._addrs = [kvparams.PeerAddress(self.config.advertise_host or m.host, m.port) for m in metas]
         self._fingerprint = metas[0].fingerprint
         self._kv_heads = metas[0].kv_heads
-        self._shm_path = metas[0].shm_path
+        self._shm_paths = [m.shm_path for m in metas] if any(m.shm_path for m in metas) else []
         logger.info("TieredConnector store server(s) at %s (layout %s)",
                     ", ".join(f"{a.host}:{a.port}" for a in self._addrs), self._fingerprint)
 
@@ -301,7 +301,8 @@ class TieredConnectorScheduler:
                 num_tokens=len(prompt), num_blocks=-(-len(prompt) // self.block_size), block_size=self.block_size,
                 fingerprint=self._fingerprint, prompt_hash=kvparams.prompt_hash(prompt),
                 lease_ttl_s=self.config.lease_ttl_s,  # renewed when the entry was sealed, just now
-                issued_at=time.time(), transport=self.config.transport, shm_path=self._shm_path,
+                issued_at=time.time(), transport=self.config.transport,
+                shm_path=self._shm_paths[0] if self._shm_paths else "", shm_paths=self._shm_paths,
                 push_target=st.push_target, token=st.token, tp_size=len(self._addrs), kv_heads=self._kv_heads)
             # False: the engine's blocks are free now; the staged copy serves the consumer.
             return False, kvparams.producer_params(ticket, self.engine_id)

@@ -39,6 +39,7 @@ from kvconnectors.mover.reslice import RowLayout, copy_heads, geometry_row_layou
 from kvconnectors.tiered.layout import KVLayout, detect_layout
 from kvconnectors.tiered.tp import Reslice, plan_for
 from kvconnectors.tiered.metadata import RecvSpec, SaveSpec, TieredConnectorMetadata, TieredHandshakeMetadata
+from kvconnectors.tiered import params as kvparams
 from kvconnectors.tiered.params import TransferParams
 from kvconnectors.tiered.stats import TieredStats
 from kvconnectors.transport import nixl as nixl_transport
@@ -50,7 +51,7 @@ from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.client_pool import ClientPool
 from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.peers import PeerPolicy
-from kvconnectors.transport.paths import (SHM_PULL, TCP_HEADS_PULL, TCP_PULL, TCP_PUSH, NixlDevicePull, NixlPull,
+from kvconnectors.transport.paths import (TCP_HEADS_PULL, TCP_PULL, TCP_PUSH, NixlDevicePull, NixlPull,
                                          NixlPush, PullPath, ShmPull)
 from kvconnectors.tiered.push_routes import (Addr, ConsumerSizes, NotPushable, PushRoute, fragment_id, is_fragment_of,
                                              push_routes)
@@ -692,7 +693,7 @@ class TieredConnectorWorker:
         keeper releases every rank once all are done (shm reads answer "read, keep it"). nixl goes
         over tcp, counted (its READs need registered destinations)."""
         layers = range(self.layout.num_layers)
-        path = self._pull_path(spec, p) if self.config.transport == "shm" else TCP_PULL
+        path = self._pull_path(spec, p, rank=rs.ranks[0]) if self.config.transport == "shm" else TCP_PULL
         if self.config.transport == "nixl":
             self._record("record_path_fallback", self.config.transport, TCP_PULL.label)
         mine = self.loader.landing_buffer(len(layers) * len(targets))
@@ -722,6 +723,8 @@ class TieredConnectorWorker:
         that (a previous version) refuses in step, and its whole rows are read instead."""
         steps = rs.steps_of(rank)
         lo, hi = min(s.producer_heads.start for s in steps), max(s.producer_heads.stop for s in steps)
+        if isinstance(path, ShmPull):  # each producer rank's own arena, as its ticket names it
+            path = self._pull_path(spec, p, rank=rank)
         sliced = path is TCP_PULL and hi - lo < rs.producer_row.heads
         try:
             with self._producer_client(p, rank) as client:
@@ -775,10 +778,12 @@ class TieredConnectorWorker:
                                 "load deadline") from None
         self.loader.release_buffer(rows)
 
-    def _pull_path(self, spec: RecvSpec, p: TransferParams, direct: bool = True) -> PullPath:
-        """The data path of a pull: the configured one. A ticket that cannot use it (shm, but the
-        producer has no shm arena; nixl into a device cache that is not registered as VRAM, see
-        _open_nixl_device) goes over tcp, counted and logged: never silently."""
+    def _pull_path(self, spec: RecvSpec, p: TransferParams, direct: bool = True, rank: int | None = None) -> PullPath:
+        """The data path of a pull from producer `rank` (default: this rank's peer): the configured
+        one, over shm bound to the arena the ticket names for that rank. A ticket that cannot use it
+        (shm, but it names no arena for that rank; nixl into a device cache that is not registered
+        as VRAM, see _open_nixl_device) goes over tcp, counted and logged: never silently."""
+        arena = kvparams.shm_arena(p, self.layout.tp_rank if rank is None else rank)
         transport = self.config.transport
         if transport == "nixl" and not direct:
             if not self._warned_nixl_device:  # normally said at start-up, with the reason
@@ -787,12 +792,13 @@ class TieredConnectorWorker:
                                "over tcp into page-locked host memory instead", self.geometry.device)
             self._record("record_path_fallback", "nixl", TCP_PULL.label)
             return TCP_PULL
-        if transport == "shm" and not p.shm_path:
-            logger.warning("request %s: transport shm configured, but the producer's ticket has no shm arena "
-                           "(is the producer on transport shm and this host?); pulling over tcp", spec.req_id)
-            self._record("record_path_fallback", SHM_PULL.label, TCP_PULL.label)
+        if transport == "shm" and not arena:
+            logger.warning("request %s: transport shm configured, but the producer's ticket names no shm arena "
+                           "for this rank (is the producer on transport shm and this host?); pulling over tcp",
+                           spec.req_id)
+            self._record("record_path_fallback", ShmPull.label, TCP_PULL.label)
             return TCP_PULL
-        return self._nixl() if transport == "nixl" else SHM_PULL if transport == "shm" else TCP_PULL
+        return self._nixl() if transport == "nixl" else ShmPull(arena) if transport == "shm" else TCP_PULL
 
     def _load_landed(self, p: TransferParams, first_block: int, targets: list[int], deadline: float,
                      fault: str | None = None) -> dict[str, int]:

@@ -359,8 +359,16 @@ class _ArenaPull:
 
 
 class ShmPull(_ArenaPull):
-    """One copy per block out of the producer's /dev/shm arena (same host)."""
+    """One copy per block out of the producer's /dev/shm arena (same host).
+
+    `arena`: the arena the ticket names for this producer rank (tiered.params.shm_arena). A reply
+    naming any other (another live store of this host: another request's KV) is refused before
+    anything is mapped; "" (the ticket names none) refuses every reply. None: unbound (the
+    producer's end, which only answers, and readers of a trusted reply)."""
     name = label = "shm"
+
+    def __init__(self, arena: str | None = None):
+        self.arena = arena
 
     def reply_fields(self, pv) -> dict[str, Any]:
         return {"shm_path": pv.shm_path or ""}
@@ -373,6 +381,10 @@ class ShmPull(_ArenaPull):
         (see _shm_arena), and its offsets are checked before anything is copied."""
         if not reply.offsets or len(reply.offsets) != len(dest):
             raise TransferError(FailureCause.PROTOCOL, "shm reply without one offset per block")
+        if self.arena is not None and reply.shm_path != self.arena:
+            raise _shm_refused(str(reply.shm_path)[:200], peer, (
+                "is not the arena its ticket names" + (f" ({self.arena})" if self.arena else
+                                                       ": the ticket names no shm arena for this producer rank")))
         slot = dest[0].nbytes
         arena = _shm_arena(reply.shm_path, slot, len(dest), deadline, peer)
         bad = block_shares.copy_blocks(arena, reply.offsets, dest, sums, slot, dest_addrs)

@@ -228,7 +228,6 @@ def two_arenas(shm_files) -> Iterator[tuple[DramArena, DramArena]]:
         a.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 6: a reply could name any live arena of this host")
 def test_a_reply_naming_another_live_arena_than_the_tickets_is_refused(two_arenas) -> None:
     ticketed, other = two_arenas
     read = wire.Read(transfer_id="t", layers=[0], first_block=0, num_blocks=2, fingerprint="fp", data_path="shm")
@@ -248,7 +247,6 @@ def test_a_reply_naming_another_live_arena_than_the_tickets_is_refused(two_arena
                                           [memoryview(r) for r in dest], deadline=time.monotonic() + 2, sums=None)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 6: the ticket named rank 0's arena only")
 def test_the_ticket_names_each_producer_ranks_arena() -> None:
     from kvconnectors.tiered import params as kvparams
 

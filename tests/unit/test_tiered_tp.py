@@ -677,3 +677,24 @@ def test_a_decode_instances_tp_size_is_asked_once_and_a_failed_ask_is_remembered
     now[0] += pr.UNREACHABLE_TTL_S + 0.1
     answers[("c", 1)] = 2
     assert sizes.tp_size("c", 1) == 2 and asked[-1] == ("c", 1)
+
+
+def test_each_producer_ranks_shm_arena_is_the_one_its_ticket_names(pools) -> None:
+    """Issue 34, row 6: the consumer copies rank r's KV only out of the arena the ticket names for
+    rank r (shm_paths, as the scheduler writes them). Control: the same ticket with the two ranks'
+    arenas swapped fails the load (protocol, naming the arena) and lands nothing."""
+    shm = {"transport": "shm"}
+    full, producers, consumers = pools(2, 1, producer_cfg=shm, consumer_cfg=shm)
+    arenas = [w.get_handshake_metadata().shm_path for w in producers]
+    assert all(arenas) and arenas[0] != arenas[1]
+    swapped = stage(producers, "t-swapped", kvparams.new_token())
+    swapped["shm_paths"] = arenas[::-1]
+    before = [consumers[0].geometry.views[i][CONSUMER_IDS].clone() for i in range(LAYERS)]
+    err = load(consumers, swapped)[0]
+    assert err is not None and err.cause is FailureCause.PROTOCOL and "not the arena its ticket names" in err.detail, err
+    assert all(torch.equal(b, consumers[0].geometry.views[i][CONSUMER_IDS]) for i, b in enumerate(before))
+    right = stage(producers, "t-named", kvparams.new_token())
+    right["shm_paths"] = arenas
+    assert load(consumers, right)[0] is None
+    assert loaded_equals_reference(full, consumers[0], 1, 0)
+    assert consumers[0].totals.data["bytes_by_path"].get("shm", 0) > 0
