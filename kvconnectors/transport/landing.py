@@ -323,7 +323,7 @@ class Landing:
                 self._fail_if_mine(msg.transfer_id, err, conn)
             except Exception:  # noqa: BLE001 - the answer below matters more
                 pass
-            wire.send_refusal(sock, err)
+            _refuse(sock, err, conn)
             if trailing_bytes(msg):
                 hang_up(sock)  # where its bytes stand is unknown: the stream may be out of step
 
@@ -332,14 +332,14 @@ class Landing:
         trailing = trailing_bytes(msg)
         rows = len(msg.layers) * msg.num_blocks
         try:
-            path = with_fault(self._check_shape(msg, _authenticated(conn)), fault)
+            path = with_fault(self._check_shape(msg), fault)
             path.check(self, msg, rows)
         except HungUp:
             hang_up(sock)  # a fault cut the connection before its data
             return
         except TransferError as exc:
             self._refuse_header(msg.transfer_id, exc, conn)
-            wire.send_refusal(sock, exc)
+            _refuse(sock, exc, conn)
             if trailing:
                 hang_up(sock)  # sizes we cannot trust: the unread bytes would be taken for a frame
             return
@@ -356,7 +356,7 @@ class Landing:
                 self._fail(msg.transfer_id, exc, conn)
             else:
                 self._count_foreign(msg.transfer_id, exc, conn)
-            wire.send_refusal(sock, exc)
+            _refuse(sock, exc, conn)
             return
         conn.buffer = loan if isinstance(loan, np.ndarray) else None
         try:
@@ -379,14 +379,14 @@ class Landing:
             return
         except TransferError as exc:
             self._fail(msg.transfer_id, exc, conn)
-            wire.send_refusal(sock, exc)
+            _refuse(sock, exc, conn)
             return
         except (ValueError, IndexError, OverflowError, TypeError) as exc:
             # the data path could not take this push (e.g. offsets numpy refuses) before any byte
             # moved; a streamed path has read its bytes or raised HungUp by now
             err = TransferError(FailureCause.PROTOCOL, f"push {msg.transfer_id!r} cannot be received: {exc}")
             self._fail(msg.transfer_id, err, conn)
-            wire.send_refusal(sock, err)
+            _refuse(sock, err, conn)
             if trailing:
                 hang_up(sock)
             return
@@ -412,7 +412,7 @@ class Landing:
                 self._fail_if_mine(msg.transfer_id, err, conn)
             except Exception:  # noqa: BLE001 - the answer below matters more
                 pass
-            wire.send_refusal(sock, err)
+            _refuse(sock, err, conn)
 
     def _handle_end(self, sock: socket.socket, msg: wire.PushEnd, conn: ConnectionState) -> None:
         tid = msg.transfer_id
@@ -421,7 +421,7 @@ class Landing:
             rec = self._mine(tid, conn)
         except TransferError as exc:
             self._count_foreign(tid, exc, conn)
-            wire.send_refusal(sock, exc)
+            _refuse(sock, exc, conn)
             return
         if rec is None:  # no entry of its own here
             conn.open.discard(tid)
@@ -439,7 +439,7 @@ class Landing:
                 else f"nothing of transfer {tid!r} is landing here from this producer",
                 FailureCause.PROTOCOL if self.store.contains(tid) else FailureCause.UNKNOWN_TRANSFER)
             self._count_foreign(tid, exc, conn)
-            wire.send_refusal(sock, exc)
+            _refuse(sock, exc, conn)
             return
         conn.open.discard(tid)
         if not msg.ok:
@@ -453,7 +453,7 @@ class Landing:
             err = exc if isinstance(exc, TransferError) else TransferError(
                 FailureCause.PROTOCOL, f"pushed transfer {tid!r} is incomplete: {exc}")
             self._fail(tid, err, conn)
-            wire.send_refusal(sock, err)
+            _refuse(sock, err, conn)
             return
         with self._cond:
             if self._inflight.get(tid) is rec:
@@ -473,12 +473,11 @@ class Landing:
         conn.open.clear()
 
     # ------------------------------------------------------------------ internals
-    def _check_shape(self, msg: wire.Push, authenticated: bool = True) -> PushPath:
-        """The path this push lands over, once its header is consistent (the path checks the rest);
-        an unauthenticated producer is not told our layout."""
+    def _check_shape(self, msg: wire.Push) -> PushPath:
+        """The path this push lands over, once its header is consistent (the path checks the rest).
+        What a refusal says of our layout is told only to authenticated producers (_refuse)."""
         wire.check_transfer_id(msg.transfer_id)
-        wire.check_fingerprint(msg.fingerprint, self._expected_fingerprint(msg, authenticated), peer="producer",
-                               us="consumer", reveal=authenticated)
+        wire.check_fingerprint(msg.fingerprint, self._expected_fingerprint(msg), peer="producer", us="consumer")
         if msg.num_layers != self.num_layers:
             raise TransferError(FailureCause.LAYOUT_MISMATCH,
                                 f"producer pushes {msg.num_layers} layers, this consumer has {self.num_layers}")
@@ -497,24 +496,16 @@ class Landing:
             raise TransferError(FailureCause.PROTOCOL, f"bad nixl_base_address {msg.nixl_base_address}")
         return offered(self.paths, msg.data_path, PUSH_UNOFFERED, "push data_path")
 
-    def _expected_fingerprint(self, msg: wire.Push, authenticated: bool = True) -> str:
-        """Whole rows: ours. A head fragment: that of rows holding its heads (checked here). An
-        unauthenticated producer is not told why a fragment does not fit (that would say our heads)."""
+    def _expected_fingerprint(self, msg: wire.Push) -> str:
+        """Whole rows: ours. A head fragment: that of rows holding its heads (checked here)."""
         if msg.heads is None:
             return self.fingerprint
         if msg.data_path != TCP_PUSH.name:
             raise TransferError(FailureCause.PROTOCOL, f"head fragments come inline only, not over {msg.data_path!r}")
-        try:
-            if self._fragment_rows is None:
-                raise TransferError(FailureCause.LAYOUT_MISMATCH, "this consumer takes no head fragments "
-                                    "(its KV heads cannot be sliced, or it is not a decode instance)")
-            return self._fragment(msg.heads)[0]
-        except TransferError as exc:
-            if authenticated:
-                raise
-            logger.info("refused a head fragment from an unauthenticated producer: %s", exc)
-            raise TransferError(exc.cause, "head fragment refused (not shown to an unauthenticated peer; "
-                                "see this side's log)") from None
+        if self._fragment_rows is None:
+            raise TransferError(FailureCause.LAYOUT_MISMATCH, "this consumer takes no head fragments "
+                                "(its KV heads cannot be sliced, or it is not a decode instance)")
+        return self._fragment(msg.heads)[0]
 
     def _fragment(self, heads: list[int]) -> tuple[str, int]:
         assert self._fragment_rows is not None
@@ -855,6 +846,21 @@ def _bad_checksum(msg: wire.Push, rows: Sequence[np.ndarray] | np.ndarray, base:
                 f"pushed transfer {msg.transfer_id!r}: layer {layer} block {block} has checksum "
                 f"{got:016x}, producer staged {want:016x}"))
     return None
+
+
+# Causes whose details describe this store (its layout, its free space): an unauthenticated peer gets
+# the cause and this line instead (the details are logged here, and told to peers that prove the secret)
+_PRIVATE_CAUSES = (FailureCause.LAYOUT_MISMATCH, FailureCause.STORE_FULL)
+
+
+def _refuse(sock: socket.socket, exc: TransferError, conn: ConnectionState) -> None:
+    """Answer a push message with its typed refusal, in step. A peer that has not proved the shared
+    secret is not told this store's layout or occupancy (issue 34): the cause only."""
+    if exc.cause in _PRIVATE_CAUSES and not _authenticated(conn):
+        logger.info("refused a push message from unauthenticated %s: %s", conn.peer, exc)
+        exc = TransferError(exc.cause, f"push refused ({exc.cause.value}); why is not shown to an unauthenticated "
+                                       "peer (see the landing side's log; peers that prove the shared secret are told)")
+    wire.send_refusal(sock, exc)
 
 
 def _authenticated(conn: ConnectionState) -> bool:

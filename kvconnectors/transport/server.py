@@ -506,7 +506,7 @@ class StoreServer:
                 # nothing trails such a frame (its bytes would come through NIXL): the stream stays in step
                 raise TransferError(FailureCause.PROTOCOL, (
                     f"data_path {msg.data_path!r} is not sealed under wire_protection 'aead' (NIXL moves the "
-                    "bytes outside this connection); use data_path 'inline' or 'shm'"))
+                    f"bytes outside this connection); use one of {', '.join(_SEALED_PATHS)}"))
             if isinstance(msg, wire.Read):
                 self._read(sock, msg, fault, session)
             elif isinstance(msg, wire.Renew):
@@ -688,7 +688,7 @@ class StoreServer:
         wire.send_msg(sock, wire.Ack(ok=True))
 
 
-_SEALED_PATHS = ("inline", "shm")  # aead: on the sealed socket, or same-host memory (never the network)
+_SEALED_PATHS = ("inline", "inline_heads", "shm")  # aead: on the sealed socket, or same-host memory (never the network)
 MAX_BLOCKS = 1 << 24  # blocks of one read (a prompt of 16M tokens at block size 1)
 
 

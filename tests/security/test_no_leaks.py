@@ -36,7 +36,6 @@ def _refusals(srv: LandingServer) -> list[str]:
     return [layout.detail, full.detail]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 8: unauthenticated pushers were told the layout and occupancy")
 def test_an_unauthenticated_pusher_is_told_the_cause_and_nothing_of_the_store() -> None:
     srv = LandingServer(dram_slots=8)
     try:
@@ -59,7 +58,6 @@ def test_an_authenticated_pusher_is_still_told_why() -> None:
         srv.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 8: inline_heads was refused under aead")
 def test_inline_heads_is_served_sealed_under_aead(make_server) -> None:
     from kvconnectors.mover.heads import HeadRange
     from kvconnectors.mover.reslice import RowLayout, pack_heads
