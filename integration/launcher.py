@@ -12,6 +12,12 @@ What it does, in order:
      SIGKILL after a bounded wait). A failed start stops what was already started.
 
 `--dry-run` prints the plan (every command line and config) without starting anything.
+
+`--host` other than loopback (a routable address, or a wildcard however spelled: see
+kvconnectors/transport/exposure.py) exposes the servers, and TieredConnector's KV stores, which then
+bind it too, to other hosts: it needs the shared secret (`--secret-file PATH`, passed to every
+instance as `secret_file`, or KVCONNECTORS_SECRET in this environment, which the servers inherit),
+or `--allow-insecure` on a trusted network; checked in `validate`, before anything starts.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import kvconnectors
 from kvconnectors.cli_types import PortInUseError, check_port_free, port_or_zero, positive_int
 from kvconnectors.serving import (CPU_DEFAULT_ARGS, CUDA_DEFAULT_ARGS, ServerStartError, VllmServer, free_port,
                                   free_port_block, stop_all)
+from kvconnectors.transport.exposure import check_exposure, is_loopback, is_wildcard
 
 if TYPE_CHECKING:
     from kvconnectors.integration.proxy import ProxyConfig
@@ -79,7 +86,8 @@ class InstancePlan:
         return self.kv_transfer_config["kv_role"]
 
     def url(self, host: str) -> str:
-        return f"http://{self.host or host}:{self.port}"
+        where = self.host or reach_host(host)
+        return f"http://{f'[{where}]' if ':' in where else where}:{self.port}"
 
     def where(self) -> str:
         """Its GPUs, its core, or (CPU, TP > 1) its ranks' cores, for logs."""
@@ -103,6 +111,14 @@ class InstancePlan:
         if "VLLM_NIXL_SIDE_CHANNEL_HOST" in self.env:
             self.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = address
         self.env["UCX_NET_DEVICES"] = device
+
+
+def reach_host(host: str) -> str:
+    """The address that reaches a server listening on `host` from this machine (where serve-pd runs
+    every instance and its proxy): `host` itself, or the loopback for a wildcard."""
+    if not is_wildcard(host):
+        return host
+    return "::1" if ":" in host else "127.0.0.1"
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -352,7 +368,7 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
     gpus = assign_gpus(placement, names, counts) if placement.device == "cuda" else [()] * len(names)
     if placement.device == "cpu":
         cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
-    extra = args.kv_transfer_config_extra or {}
+    extra = deep_merge(args.kv_transfer_config_extra or {}, _tiered_security(args))
     plans: list[InstancePlan] = []
     next_core = 0
     for i, ((role, kv_role), name) in enumerate(zip(roles, names)):
@@ -368,8 +384,11 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
                 mode["kv_connector_extra_config"]["cudagraph_piecewise"] = "off"
             cfg = kv_transfer_config("TieredConnector", kv_role, transport=args.transport,
                                      store_port=store_port, extra=deep_merge(mode, extra))
-            port_in_cfg = cfg.get("kv_connector_extra_config", {}).get("store_port", store_port)
-            kv_addr = f"{args.host}:{port_in_cfg}"
+            own = cfg.get("kv_connector_extra_config", {})
+            port_in_cfg = own.get("store_port", store_port)
+            bind = own.get("bind_host")
+            reach = own.get("advertise_host") or (bind and reach_host(bind)) or reach_host(args.host)
+            kv_addr = f"{reach}:{port_in_cfg}"
         else:
             cfg = kv_transfer_config("NixlConnector", kv_role, extra=extra, device=placement.device)
             # Each engine's NIXL handshake listener needs its own port (default 5600 for all).
@@ -453,6 +472,69 @@ def validate(args: argparse.Namespace) -> None:
         if args.mode == "push":
             raise ValueError("--mode push needs TieredConnector (NixlConnector's own push flow is not "
                              "driven by this proxy)")
+    check_host_exposure(args)
+
+
+def _user_extra(args: argparse.Namespace) -> dict[str, Any]:
+    """kv_connector_extra_config as --kv-transfer-config-extra sets it (may be empty)."""
+    extra = (getattr(args, "kv_transfer_config_extra", None) or {}).get("kv_connector_extra_config")
+    return extra if isinstance(extra, dict) else {}
+
+
+def check_host_exposure(args: argparse.Namespace) -> None:
+    """`--host` other than loopback needs the shared secret (--secret-file, KVCONNECTORS_SECRET in
+    this environment, or secret_file in --kv-transfer-config-extra), or --allow-insecure: the same
+    rule, and the same definition of loopback and wildcard, as TieredConnector's bind_host
+    (transport/exposure.py). NixlConnector has no shared secret: only --allow-insecure opens it.
+    ConfigError (a ValueError) naming the flag; a --secret-file that cannot be used fails here too."""
+    from kvconnectors.transport.auth import SECRET_ENV, load_secret  # noqa: PLC0415
+
+    secret_file = getattr(args, "secret_file", None)
+    allow_insecure = bool(getattr(args, "allow_insecure", False))
+    if args.connector == "NixlConnector":
+        if secret_file:
+            raise ValueError("--secret-file applies to TieredConnector: NixlConnector has no shared secret (use "
+                             "--connector TieredConnector, or --allow-insecure on a trusted network)")
+        check_exposure("--host", args.host, has_secret=False, allow_insecure=allow_insecure,
+                       secret_how="NixlConnector has none: use --connector TieredConnector with --secret-file PATH",
+                       insecure_how="pass --allow-insecure", who="the vLLM servers and NIXL's side channel",
+                       risk="send requests to the servers and read KV through NIXL")
+        return
+    theirs = _user_extra(args).get("secret_file")
+    if secret_file:
+        if theirs and theirs != secret_file:
+            raise ValueError(f"--secret-file {secret_file!r} differs from secret_file {theirs!r} in "
+                             "--kv-transfer-config-extra: give one")
+        try:
+            load_secret(secret_file)  # absent, unreadable, writable by others or weak: now, not in every server
+        except ValueError as exc:
+            raise ValueError(f"--secret-file: {exc}") from None
+    check_exposure("--host", args.host, has_secret=bool(secret_file or theirs or os.environ.get(SECRET_ENV)),
+                   allow_insecure=allow_insecure,
+                   secret_how=f"--secret-file PATH, a file of mode 0600 holding it (e.g. openssl rand -hex 32 > "
+                              f"PATH), or {SECRET_ENV} in this environment",
+                   insecure_how="pass --allow-insecure", who="the vLLM servers and their KV stores",
+                   risk="send requests to the servers, and read and release staged KV")
+
+
+def _tiered_security(args: argparse.Namespace) -> dict[str, Any]:
+    """What --host, --secret-file and --allow-insecure put in every TieredConnector instance's
+    kv_connector_extra_config: with --host other than loopback the store binds it too (and
+    advertises it, or the loopback for a wildcard: serve-pd runs every instance on this machine),
+    unless --kv-transfer-config-extra sets bind_host; the secret file; allow_insecure."""
+    if args.connector != "TieredConnector":
+        return {}
+    own: dict[str, Any] = {}
+    theirs = _user_extra(args)
+    if not is_loopback(args.host) and "bind_host" not in theirs:
+        own["bind_host"] = args.host
+        if "advertise_host" not in theirs:
+            own["advertise_host"] = reach_host(args.host)
+    if getattr(args, "secret_file", None):
+        own["secret_file"] = args.secret_file
+    if getattr(args, "allow_insecure", False):
+        own["allow_insecure"] = True
+    return {"kv_connector_extra_config": own} if own else {}
 
 
 def json_object(value: str) -> dict[str, Any]:
@@ -564,7 +646,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'--max-model-len 4096 --max-num-seqs 8' (they override the device's defaults; "
                              "on CUDA their parallel sizes decide how many GPUs each instance takes). A "
                              "string with no space that starts with '-' needs the = form: --vllm-args=-tp=2")
-    parser.add_argument("--host", default="127.0.0.1", help="address the vLLM servers listen on")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the vLLM servers (and TieredConnector's KV stores) listen on; anything but "
+                             "a loopback address needs a shared secret (--secret-file, or KVCONNECTORS_SECRET in "
+                             "this environment) or --allow-insecure")
+    parser.add_argument("--secret-file", default=None, metavar="PATH",
+                        help="file holding the shared secret of the KV transfer plane (mode 0600, at least 16 "
+                             "random bytes, e.g. `openssl rand -hex 32 > PATH`; two lines during a rotation), "
+                             "passed to every TieredConnector instance as secret_file; never the secret itself "
+                             "on the command line")
+    parser.add_argument("--allow-insecure", action="store_true",
+                        help="let --host be an address other hosts can reach without a shared secret (a "
+                             "trusted network); TieredConnector instances get allow_insecure: true")
     parser.add_argument("--proxy-host", default="127.0.0.1", help="address the proxy listens on")
     parser.add_argument("--proxy-port", type=port_or_zero, default=8000,
                         help="port the proxy listens on; 0 picks a free one (the log says which)")

@@ -4,7 +4,11 @@ are testable alone).
 
 Rules (each applies only to keys the user left out of kv_connector_extra_config):
 * bind_host = the node's IP (Ray's node address, which other nodes reach); a wildcard bind_host
-  gets advertise_host = the node's IP. An explicit bind_host is kept as it is.
+  (any unspecified address, however spelled: transport/exposure.py) gets advertise_host = the
+  node's IP. An explicit bind_host is kept as it is.
+* A bind_host other hosts can reach (the node's IP, a wildcard: anything but loopback) needs the
+  shared secret in the replica (KVCONNECTORS_SECRET in its environment, or a mounted secret_file);
+  without one the replica is refused at start (`secret_source`), unless allow_insecure: true.
 * store_port: 0 (the default) lets the kernel pick, and tickets carry the real port, so prefill
   replicas never collide. A decode replica in push mode must know its landing port before its
   engine binds it (the port goes into push_target): it takes a free block of tp ports from
@@ -21,12 +25,12 @@ from typing import Any
 
 from kvconnectors.errors import ConfigError
 from kvconnectors.logs import get_logger
+from kvconnectors.transport.exposure import check_exposure, is_wildcard
 
 logger = get_logger(__name__)
 
-WILDCARDS = ("0.0.0.0", "::", "")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
+DEFAULT_BIND = "127.0.0.1"  # TieredConfig's bind_host default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +55,7 @@ def plan(extra: Mapping[str, Any], *, kv_role: Any, node_ip: str, tp_size: int,
     bind = extra.get("bind_host")
     if bind is None:
         bind = updates["bind_host"] = node_ip
-    if extra.get("advertise_host") is None and bind in WILDCARDS:
+    if extra.get("advertise_host") is None and is_wildcard(bind):
         updates["advertise_host"] = node_ip
     advertise = updates.get("advertise_host", extra.get("advertise_host") or bind)
     push = consumer and extra.get("transfer_mode") == "push"
@@ -75,7 +79,8 @@ def plan(extra: Mapping[str, Any], *, kv_role: Any, node_ip: str, tp_size: int,
 def secret_source(extra: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> str | None:
     """Where this replica's shared secret comes from ("secret_file PATH" or "env KVCONNECTORS_SECRET"),
     or None. Reads and checks it here, so a secret that did not reach the replica fails the replica
-    at start with the field named, not the first transfer."""
+    at start with the field named, not the first transfer. No secret is fine only on a loopback
+    bind_host; any other is refused (ConfigError) unless allow_insecure: true (then a warning)."""
     from kvconnectors.transport.auth import SECRET_ENV, load_secret  # noqa: PLC0415 - light, but not needed before
 
     path = extra.get("secret_file")
@@ -86,9 +91,10 @@ def secret_source(extra: Mapping[str, Any], env: Mapping[str, str] = os.environ)
         load_secret(None, SECRET_ENV)
         return f"env {SECRET_ENV}"
     bind = extra.get("bind_host")
-    if bind not in LOOPBACK:
-        logger.warning("TieredConnector on Ray: no shared secret (secret_file or %s) and bind_host %r: any host that "
-                       "reaches the node can read staged KV; set %s in every replica's environment (the Ray "
-                       "nodes' environment or runtime_env env_vars) or mount a secret_file", SECRET_ENV, bind,
-                       SECRET_ENV)
+    check_exposure("kv_connector_extra_config.bind_host", DEFAULT_BIND if bind is None else bind, has_secret=False,
+                   allow_insecure=extra.get("allow_insecure") is True,
+                   secret_how=(f"{SECRET_ENV} in every replica's environment: the Ray nodes' environment or "
+                               f"runtime_env env_vars, a Kubernetes secretKeyRef; or mount a secret_file"),
+                   insecure_how="set allow_insecure: true in kv_connector_extra_config",
+                   who="this replica's KV store server")
     return None

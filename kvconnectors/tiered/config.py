@@ -21,9 +21,9 @@ from kvconnectors.errors import ConfigError
 from kvconnectors.logs import get_logger
 from kvconnectors.store.config import Dirs, Seconds, Size
 from kvconnectors.store.sizes import size_setting
+from kvconnectors.transport.exposure import check_exposure, is_loopback, is_wildcard
 
 logger = get_logger(__name__)
-WILDCARDS = ("0.0.0.0", "::")
 Transport = Literal["tcp", "shm", "nixl"]
 TransferMode = Literal["pull", "push"]
 FailurePolicy = Literal["fail", "recompute", "retry"]
@@ -64,7 +64,9 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
     allowed_peers: Annotated[list[str] | None, _doc(
         "CIDRs a ticket's producer addresses and a push_target must fall in; default: loopback and this "
         "host's own interface subnets")] = None
-    allow_insecure: Annotated[bool, _doc("permit a wildcard bind_host without a shared secret")] = False
+    allow_insecure: Annotated[bool, _doc(
+        "permit a bind_host other hosts can reach (not loopback) without a shared secret: the network is "
+        "trusted")] = False
     wire_protection: Annotated[WireProtection, _doc(
         "handshake: the secret authenticates the handshake only; aead: every frame and KV byte after it is "
         "sealed (AES-256-GCM; needs the secret, v4 peers with the same setting, transport tcp or shm)")] = "handshake"
@@ -93,10 +95,10 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         settings.check_fields(self)  # types and ranges as declared above
         _host("bind_host", self.bind_host)
         if self.advertise_host is None:
-            if self.bind_host in WILDCARDS:
+            if is_wildcard(self.bind_host):
                 raise ConfigError("advertise_host", None, (
-                    f"must be set when bind_host is the wildcard {self.bind_host!r}: consumers need an address "
-                    "they can reach"))
+                    f"must be set when bind_host is the wildcard {self.bind_host!r} (an unspecified address: every "
+                    "interface): consumers need an address they can reach"))
             self.advertise_host = self.bind_host
         else:
             _host("advertise_host", self.advertise_host)
@@ -104,8 +106,7 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
             from kvconnectors.transport.peers import parse_networks
 
             parse_networks(self.allowed_peers)
-        self._check_exposure()  # any transport: a wildcard bind needs a secret or allow_insecure
-        _nixl_needs_secret(self.transport, self.bind_host, self.secret_file)  # nixl: any non-loopback bind
+        self._check_exposure()  # any transport: a bind that is not loopback needs a secret or allow_insecure
         self._check_protection()
         self._check_previous_wire()
         if self.heartbeat_interval_s is None:
@@ -123,19 +124,17 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         self.fault_plan = FaultPlan.from_config(self.fault_injection)
 
     def _check_exposure(self) -> None:
-        """A store server on every interface without a shared secret serves any host that can reach
-        it: refused unless allow_insecure says that is meant (the secret may come from the env)."""
-        from kvconnectors.transport.auth import SECRET_ENV
+        """A store server other hosts can reach (bind_host not loopback: a wildcard, however spelled,
+        or any other address or host name; transport/exposure.py) without a shared secret serves any
+        host that can reach it: refused unless allow_insecure says the network is trusted (the secret
+        may come from the env). With transport nixl, allow_insecure does not waive it (below)."""
+        from kvconnectors.transport.auth import SECRET_ENV  # noqa: PLC0415 - config stays light to import
 
-        if self.bind_host not in WILDCARDS or self.secret_file or os.environ.get(SECRET_ENV):
-            return
-        if not self.allow_insecure:
-            raise ConfigError("bind_host", self.bind_host, (
-                f"binds every interface but no shared secret is set (secret_file or {SECRET_ENV}): any host "
-                "that reaches this port could read and release staged KV. Set a secret, bind one address, or "
-                "set allow_insecure: true if the network itself is trusted"))
-        logger.warning("TieredConnector: bind_host %r without a shared secret (allow_insecure is set): the store "
-                       "server serves any host that can reach it", self.bind_host)
+        has_secret = bool(self.secret_file or os.environ.get(SECRET_ENV))
+        _nixl_needs_secret(self.transport, self.bind_host, has_secret)
+        check_exposure("bind_host", self.bind_host, has_secret=has_secret, allow_insecure=self.allow_insecure,
+                       secret_how=f"secret_file, or the {SECRET_ENV} environment variable",
+                       who="TieredConnector's store server")
 
     def _check_protection(self) -> None:
         """aead seals the connection with keys from the authenticated handshake: it needs the secret,
@@ -209,29 +208,20 @@ def _host(key: str, value: Any) -> None:
             raise ConfigError(key, value, "is neither an IP address nor a valid host name") from None
 
 
-def _nixl_needs_secret(transport: str, bind_host: str, secret_file: str | None) -> None:
-    """transport "nixl" reachable from other hosts needs the shared secret (issue 16, finding 5).
-    NIXL cannot limit a peer to one entry: the agent metadata a nixl ReadReply carries lets its
-    holder READ and WRITE the producer's whole registered arena (README, Security). So that metadata
-    may go only to authenticated peers: with bind_host not a loopback address, a secret (secret_file
-    or the KVCONNECTORS_SECRET variable) must be configured."""
-    if transport != "nixl" or _is_loopback(bind_host) or secret_file:
+def _nixl_needs_secret(transport: str, bind_host: str, has_secret: bool) -> None:
+    """transport "nixl" reachable from other hosts needs the shared secret (issue 16, finding 5),
+    allow_insecure or not: the general rule (check_exposure) with a stronger reason, so its own
+    message. NIXL cannot limit a peer to one entry: the agent metadata a nixl ReadReply carries lets
+    its holder READ and WRITE the producer's whole registered arena (README, Security). So that
+    metadata may go only to authenticated peers: with bind_host not a loopback address, a secret
+    (secret_file or the KVCONNECTORS_SECRET variable) must be configured."""
+    if transport != "nixl" or is_loopback(bind_host) or has_secret:
         return
     from kvconnectors.transport.auth import SECRET_ENV  # noqa: PLC0415 - config stays light to import
 
-    if os.environ.get(SECRET_ENV):
-        return
     raise ConfigError("secret_file", None, (
         f"must be set (or {SECRET_ENV}) with transport 'nixl' and bind_host {bind_host!r}, which is not a "
         "loopback address: the NIXL agent metadata a producer hands each consumer lets it READ and WRITE the "
         "whole registered arena, other requests' KV included, so only authenticated peers may get it "
         "(README, Security)"))
 
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost: assume other hosts can reach it

@@ -57,7 +57,6 @@ def secret_file(tmp_path) -> str:
 
 
 # ------------------------------------------------------------------------------- item 5: exposure
-@pytest.mark.xfail(strict=True, reason="issue 34: wildcard by spelling")
 @pytest.mark.parametrize("spelling", WILDCARD_SPELLINGS)
 def test_every_spelling_of_the_wildcard_is_a_wildcard(spelling, secret_file) -> None:
     """Without a secret refused like 0.0.0.0 (it binds every interface); without advertise_host
@@ -75,7 +74,6 @@ def test_every_spelling_of_the_wildcard_is_a_wildcard(spelling, secret_file) -> 
     assert is_wildcard(spelling) and not is_loopback(spelling)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: routable bind without a secret")
 @pytest.mark.parametrize("host", ROUTABLE)
 def test_a_routable_bind_without_a_secret_is_refused_unless_allow_insecure(host, secret_file, monkeypatch,
                                                                           caplog) -> None:
@@ -94,7 +92,6 @@ def test_a_routable_bind_without_a_secret_is_refused_unless_allow_insecure(host,
     assert not is_loopback(host) and not is_wildcard(host)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: one exposure definition")
 def test_loopback_spellings_need_no_secret() -> None:
     from kvconnectors.transport.exposure import check_exposure, is_loopback, is_wildcard
 
@@ -108,7 +105,6 @@ def test_loopback_spellings_need_no_secret() -> None:
         assert not is_loopback(host), host
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: Ray warned instead of refusing")
 def test_ray_store_planning_refuses_a_node_address_without_a_secret(monkeypatch, tmp_path) -> None:
     """The Ray backend's rules (no Ray needed): the node's IP without a secret is refused, not
     warned about; every wildcard spelling gets advertise_host; allow_insecure or a secret passes."""
@@ -147,7 +143,6 @@ def _serve_pd(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["--model", "/models/tiny", "--dry-run", "--log-dir", "/tmp/x", *argv])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: serve-pd --host without a secret")
 def test_serve_pd_refuses_a_routable_host_without_a_secret_before_anything_starts(monkeypatch, capsys,
                                                                                    secret_file) -> None:
     from kvconnectors.integration import launcher
@@ -180,7 +175,6 @@ def test_serve_pd_refuses_a_routable_host_without_a_secret_before_anything_start
 
 
 # ------------------------------------------------------------------------------- item 7: secrets
-@pytest.mark.xfail(strict=True, reason="issue 34: writable secret files")
 @pytest.mark.parametrize("mode", [0o602, 0o622, 0o620, 0o660], ids=oct)
 def test_a_secret_file_others_may_write_is_refused(tmp_path, mode) -> None:
     path = tmp_path / "secret"
@@ -191,7 +185,6 @@ def test_a_secret_file_others_may_write_is_refused(tmp_path, mode) -> None:
     assert exc.value.key == "secret_file" and f"{mode:04o}" in exc.value.why and "writable" in exc.value.why
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: secret file in a writable directory")
 def test_a_secret_file_in_a_directory_others_may_write_is_refused(tmp_path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -231,11 +224,7 @@ def test_a_secret_file_in_a_directory_others_may_write_is_refused(tmp_path) -> N
     assert load_secret(str(mount / "secret")) == STRONG
 
 
-_WEAK = pytest.mark.xfail(strict=True, reason="issue 34: weak secrets accepted")
-
-
-@pytest.mark.parametrize("weak", [pytest.param(b"a" * 16, marks=_WEAK), pytest.param(b"ab" * 16, marks=_WEAK),
-                                  pytest.param(b"abcdefg" * 5, marks=_WEAK),
+@pytest.mark.parametrize("weak", [b"a" * 16, b"ab" * 16, b"abcdefg" * 5,
                                   b"0123456789abcde"])  # 15 bytes: refused before too
 def test_weak_secrets_are_refused_from_file_and_environment(tmp_path, monkeypatch, weak) -> None:
     """Fewer than 16 bytes (the last one: 15), or fewer than 8 distinct byte values."""
@@ -273,7 +262,6 @@ def _handshake(server: bytes, client: bytes) -> bytes | None:
     return matched
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: no rotation")
 def test_rotation_accepts_two_secrets_while_the_pool_rolls(tmp_path, monkeypatch) -> None:
     from kvconnectors.transport import auth
     from kvconnectors.transport.auth import Secrets, verify_any
@@ -323,7 +311,6 @@ def _arena(name: str):
     return DramArena(4096, 4 * 4096, shm_name=name, prefault=False)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: arena adopted with its mode")
 def test_an_existing_arena_file_is_not_adopted_with_its_mode(shm_dir) -> None:
     """A stale file of ours (a crashed run), mode 0666: replaced by a new file, 0600, its bytes gone."""
     name = f"kvc_sec_0_{os.getpid()}"
@@ -343,7 +330,6 @@ def test_an_existing_arena_file_is_not_adopted_with_its_mode(shm_dir) -> None:
         a.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: arena symlink followed")
 def test_a_symlink_at_the_arena_path_is_refused(shm_dir, tmp_path) -> None:
     target = tmp_path / "target"
     target.write_bytes(b"not an arena")
@@ -355,7 +341,6 @@ def test_a_symlink_at_the_arena_path_is_refused(shm_dir, tmp_path) -> None:
     assert target.read_bytes() == b"not an arena" and (shm_dir / name).is_symlink()  # nothing followed
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: another user's arena adopted")
 def test_an_arena_file_of_another_user_is_refused(shm_dir, monkeypatch) -> None:
     name = f"kvc_sec_2_{os.getpid()}"
     (shm_dir / name).write_bytes(b"theirs")
@@ -368,7 +353,6 @@ def test_an_arena_file_of_another_user_is_refused(shm_dir, monkeypatch) -> None:
     assert (shm_dir / name).read_bytes() == b"theirs"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: peer arena open checks")
 def test_opening_a_peer_arena_checks_what_it_opens(shm_dir, tmp_path) -> None:
     from kvconnectors.store.arena import ArenaRefused, map_peer_arena, open_peer_arena
 

@@ -36,7 +36,7 @@ from kvconnectors.transport.auth import SECRET_ENV  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_IP = "192.0.2.7"  # TEST-NET-1: never reached, only advertised
-SECRET = "s" * 32
+SECRET = "ray-backend-test-secret-7c1f9e2a"  # 16+ bytes, 8+ distinct values (transport/auth.py)
 
 
 @pytest.fixture(autouse=True)
@@ -49,8 +49,10 @@ def backend_registered():
 
 @pytest.fixture(autouse=True)
 def node_ip(monkeypatch):
+    """The node's address, and the shared secret in the replica's environment (as the Serve config's
+    runtime_env or the KubeRay manifests put it): a store on the node's IP without one is refused."""
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: NODE_IP)
-    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv(SECRET_ENV, SECRET)
     return NODE_IP
 
 
@@ -290,7 +292,7 @@ def test_secret_from_the_replicas_environment(monkeypatch):
 
 
 def test_secret_file_must_reach_the_replica(tmp_path):
-    path = tmp_path / "secret"
+    path = tmp_path / "secret"  # (the file wins over the environment's secret)
     with pytest.raises(ConfigError, match="secret_file"):
         set_up("prefill", secret_file=str(path))  # not mounted on this node
     path.write_text(SECRET)
@@ -301,9 +303,14 @@ def test_secret_file_must_reach_the_replica(tmp_path):
     assert set_up("prefill", secret_file=str(path))[1].secret_source == f"secret_file {path}"
 
 
-def test_no_secret_on_a_node_address_warns(caplog):
-    assert set_up("prefill")[1].secret_source is None
-    assert "no shared secret" in caplog.text and SECRET_ENV in caplog.text
+def test_no_secret_on_a_node_address_is_refused_unless_allow_insecure(monkeypatch, caplog):
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(ConfigError) as exc:  # issue 34 item 5: refused, no longer only warned about
+        set_up("prefill")
+    assert "bind_host" in exc.value.key and SECRET_ENV in exc.value.why and "allow_insecure" in exc.value.why
+    assert set_up("prefill", allow_insecure=True)[1].secret_source is None
+    assert "without a shared secret" in caplog.text
+    assert set_up("prefill", bind_host="127.0.0.1")[1].secret_source is None  # loopback: nothing to refuse
 
 
 # --------------------------------------------------------------------------- the ray extra
