@@ -75,6 +75,17 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         "has no transfer tokens and its server proves nothing); refused beside a secret. Set it back to false "
         "once the whole pool is upgraded")] = False
     server_idle_timeout_s: Annotated[Seconds, _doc("store server: close a connection idle this long")] = 300.0
+    server_handshake_timeout_s: Annotated[Seconds, _doc(
+        "store server: a connection must finish its handshake (and prove the secret) this soon after accept")] = 2.0
+    server_max_connections: Annotated[int, _doc(
+        "store server: open connections in all; when reached, the one idle longest (unauthenticated first) "
+        "makes room, and only when every one is busy is a newcomer refused", ge=1)] = 256
+    server_max_per_peer: Annotated[int, _doc(
+        "store server: open connections of one address (an IPv6 /64)", ge=1)] = 64
+    server_max_pending: Annotated[int, _doc(
+        "store server: connections still in their handshake, in all; half of it per address and per prefix "
+        "(IPv4 /24, IPv6 /48). When reached, the one waiting longest is closed: peers that authenticate pass "
+        "through in milliseconds", ge=2)] = 64
     max_concurrent_loads: Annotated[int, _doc("pull threads per worker", ge=1)] = 4
     idle_wait_s: Annotated[float, _doc(
         "consumer: an engine step that schedules no tokens while loads are in flight waits up to this long "

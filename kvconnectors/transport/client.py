@@ -26,6 +26,19 @@ class _Older(Exception):
         self.version = version
 
 
+class _ResetBeforeWelcome(Exception):
+    """The server closed or reset the connection before its Welcome: nothing was done on it (a
+    server over its caps closes a connection at once), so connecting again is always safe."""
+
+    def __init__(self, error: TransferError):
+        self.error = error
+
+
+# Back-off before each new connection after a reset before the Welcome; then the reset is the answer
+# (a server that resets every connection is refusing, and says so within a fraction of a second)
+RESET_RETRY_S = (0.01, 0.05, 0.2)
+
+
 class StoreClient:
     """One connection to a store server, authenticated at connect time.
 
@@ -51,11 +64,18 @@ class StoreClient:
         deadline = time.monotonic() + connect_timeout_s
         self.session: auth.Session | None = None
         version = max(hashes)
+        resets = 0
         while True:
-            self._connect(host, port, deadline)
             try:
+                self._connect(host, port, deadline)
                 self._handshake(version, hashes[version], secret, peer_name, deadline)
                 return
+            except _ResetBeforeWelcome as reset:
+                self.close()
+                if resets == len(RESET_RETRY_S) or time.monotonic() + RESET_RETRY_S[resets] >= deadline:
+                    raise reset.error from None
+                time.sleep(RESET_RETRY_S[resets])
+                resets += 1
             except _Older as older:
                 self.close()
                 if protection == wire.AEAD:
@@ -75,10 +95,13 @@ class StoreClient:
     def _connect(self, host: str, port: int, deadline: float) -> None:
         try:
             self.sock = socket.create_connection((host, port), timeout=max(1e-3, deadline - time.monotonic()))
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
-            raise TransferError(FailureCause.PEER_UNREACHABLE,
-                                f"cannot connect to producer {self.address}: {exc.strerror or exc}") from None
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            error = TransferError(FailureCause.PEER_UNREACHABLE,
+                                  f"cannot connect to producer {self.address}: {exc.strerror or exc}")
+            if isinstance(exc, ConnectionResetError):  # accepted, then reset over a cap before we ran
+                raise _ResetBeforeWelcome(error) from None
+            raise error from None
 
     @property
     def version(self) -> int:
@@ -87,9 +110,14 @@ class StoreClient:
     def _handshake(self, version: int, compat: str, secret: bytes | None, peer_name: str,
                    deadline: float) -> None:
         nonce = auth.new_nonce() if version >= 4 else None
-        self._send(wire.Hello(version=version, compat_hash=compat, peer=peer_name, nonce=nonce,
-                              protection=self.protection))
-        welcome = self._expect(wire.Welcome, deadline)
+        try:
+            self._send(wire.Hello(version=version, compat_hash=compat, peer=peer_name, nonce=nonce,
+                                  protection=self.protection))
+            welcome = self._expect(wire.Welcome, deadline)
+        except TransferError as exc:
+            if exc.cause is FailureCause.PEER_UNREACHABLE and time.monotonic() < deadline:
+                raise _ResetBeforeWelcome(exc) from None  # closed or reset unanswered, not timed out
+            raise
         if not welcome.ok:
             if wire.PROTECTION_MISMATCH in welcome.error:
                 raise TransferError(FailureCause.AUTH, f"producer {self.address} refused: {welcome.error[:500]}",
@@ -166,7 +194,8 @@ class StoreClient:
 
     def close(self) -> None:
         try:
-            self.sock.close()
+            if hasattr(self, "sock"):  # not before the first connection was made
+                self.sock.close()
         except OSError:
             pass
 

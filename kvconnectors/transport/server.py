@@ -1,20 +1,16 @@
 """The store server: serves staged KV to consumers over the control protocol.
 
 One thread per connection, blocking sockets: an idle server costs no CPU. Threads are bounded
-before they start: the accept thread admits a connection only within the caps below and closes
-any other at once (no thread, no read):
-
-    max_connections        all open connections
-    max_pending            connections that have not finished their handshake
-    max_pending_per_peer   of those, from one peer address (an IPv6 peer: its /64); default half
-                           of max_pending, so one address never holds all of them
-    max_per_peer           all connections of one peer address
+before they start: the accept thread admits a connection only within the caps of admission.py
+(all connections, per address, and before the handshake per address, per prefix and in all),
+making room by closing the connection waiting longest for its handshake, or idle longest, and
+refusing the newcomer at once (no thread, no read) only when nothing may be closed.
 
 A connection must finish its handshake (Hello, and the shared-secret proofs when the server holds
 one) within `handshake_timeout_s` of being accepted, all steps together; an authenticated one is
-closed after `idle_timeout_s` without a request. So 400 sockets from one address that never
-authenticate hold at most max_pending_per_peer threads for at most handshake_timeout_s each, while
-other peers keep being served (tests/security/test_dos.py).
+closed after `idle_timeout_s` without a request. So sockets that never authenticate, from one
+address or several, hold at most max_pending threads for at most handshake_timeout_s each, and a
+peer that authenticates is served beside them (tests/security/test_dos.py).
 
 Every request is validated before it touches the store; a bad request gets a typed error reply and
 the connection (and the server) keep serving; a request that raises anything else (a bug) is logged,
@@ -55,6 +51,7 @@ from kvconnectors.errors import ConfigError, FailureCause, TransferError, Unknow
 from kvconnectors.logs import get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import auth, wire
+from kvconnectors.transport.admission import Admission, Caps, Seat, peer_key
 from kvconnectors.transport.auth import Session
 from kvconnectors.transport.client import check_protection
 from kvconnectors.transport.faults import FaultPlan, FaultRule, with_fault
@@ -118,6 +115,7 @@ class StoreServer:
                  landing: Landing | None = None, paths: Sequence[PullPath] | None = None,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, max_pending: int = 64,
                  max_pending_per_peer: int | None = None, max_per_peer: int = 64,
+                 max_pending_per_prefix: int | None = None,
                  require_grants: bool = False, max_grants: int = MAX_GRANTS, log_interval_s: float = 10.0,
                  protection: str = wire.HANDSHAKE, rows_fingerprint: str = "", row_layout: Any = None,
                  tp_size: int = 0):
@@ -147,16 +145,15 @@ class StoreServer:
         self.counters = ServerCounters()
         self.faults = faults
         self.landing = landing  # push mode: producers stream KV into this store (consumer side)
+        caps = Caps(max_connections=max_connections, max_per_peer=max_per_peer, max_pending=max_pending,
+                    max_pending_per_peer=max_pending_per_peer, max_pending_per_prefix=max_pending_per_prefix)
+        self.admission = Admission(caps, on_evict=self.counters.reject)
         self.max_connections, self.max_pending, self.max_per_peer = max_connections, max_pending, max_per_peer
-        self.max_pending_per_peer = max(1, max_pending // 2) if max_pending_per_peer is None else max_pending_per_peer
+        self.max_pending_per_peer = caps.pending_per_peer
         self.require_grants, self.max_grants = require_grants, max_grants
         self.log = LogLimiter(log_interval_s)
         self._lock = threading.Lock()
         self._sealed = threading.Condition()
-        self._conns: set[socket.socket] = set()
-        self._pending = 0
-        self._per_peer: dict[str, int] = {}
-        self._pending_per_peer: dict[str, int] = {}
         self._grants: OrderedDict[str, str] = OrderedDict()
         self._grants_lock = threading.Lock()
         self._closed = False
@@ -194,52 +191,34 @@ class StoreServer:
                                  self.port, exc)
                 time.sleep(0.05)
                 continue
-            key = _peer_key(addr)
-            refused = self._admit(sock, key)
-            if refused:
-                self.counters.reject(refused)
-                self.log.warning("cap", "refused a connection from %s: %s", key, refused.replace("_", " "))
+            seat = self._admit(sock, addr)
+            if isinstance(seat, str):
+                self.counters.reject(seat)
+                self.log.warning("cap", "refused a connection from %s: %s", peer_key(addr), seat.replace("_", " "))
                 _close_now(sock)
                 continue
             try:
-                threading.Thread(target=self._serve_connection, args=(sock, key, time.monotonic()),
+                threading.Thread(target=self._serve_connection, args=(sock, seat, time.monotonic()),
                                  name="kvc-store-conn", daemon=True).start()
             except RuntimeError:  # cannot start a thread: refuse this peer, keep accepting
-                self._leave(sock, key, pending=True)
+                self.admission.leave(seat)
                 self.counters.reject("too_many_connections")
                 _close_now(sock)
 
-    def _admit(self, sock: socket.socket, key: str) -> str:
-        """Count the connection in, or say which cap refuses it ("" when admitted)."""
+    def _admit(self, sock: socket.socket, addr: tuple) -> Seat | str:
+        """Count the connection in (its seat), closing what makes room for it, or say which cap
+        refuses it."""
+        seat, refused, evicted = self.admission.admit(sock, addr)
+        if seat is None:
+            return refused
         with self._lock:
-            if len(self._conns) >= self.max_connections:
-                return "too_many_connections"
-            if self._pending >= self.max_pending:
-                return "too_many_pending"
-            if (self._per_peer.get(key, 0) >= self.max_per_peer
-                    or self._pending_per_peer.get(key, 0) >= self.max_pending_per_peer):
-                return "too_many_per_peer"
-            self._conns.add(sock)
-            self._pending += 1
-            self._per_peer[key] = self._per_peer.get(key, 0) + 1
-            self._pending_per_peer[key] = self._pending_per_peer.get(key, 0) + 1
             self.counters.connections += 1
-        return ""
-
-    def _authenticated(self, key: str) -> None:
-        with self._lock:
-            self._pending -= 1
-            _decrement(self._pending_per_peer, key)
-
-    def _leave(self, sock: socket.socket, key: str, pending: bool) -> None:
-        with self._lock:
-            if sock not in self._conns:
-                return
-            self._conns.discard(sock)
-            _decrement(self._per_peer, key)
-            if pending:
-                self._pending -= 1
-                _decrement(self._pending_per_peer, key)
+        for other in evicted:  # its thread wakes, sees the seat gone, and ends
+            try:
+                other.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return seat
 
     # ------------------------------------------------------------------ capabilities
     def grant(self, transfer_id: str, token: str) -> None:
@@ -304,9 +283,7 @@ class StoreServer:
         except OSError:
             pass
         self._listener.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:  # unblock handler threads stuck in recv
+        for c in self.admission.sockets():  # unblock handler threads stuck in recv
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -328,12 +305,10 @@ class StoreServer:
 
     @property
     def active_connections(self) -> int:
-        with self._lock:
-            return len(self._conns)
+        return len(self.admission)
 
     # ------------------------------------------------------------------ per connection
-    def _serve_connection(self, sock: socket.socket, key: str = "?", accepted_at: float | None = None) -> None:
-        pending = True
+    def _serve_connection(self, sock: socket.socket, seat: Seat, accepted_at: float | None = None) -> None:
         conn = ConnectionState(_peer(sock))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -344,8 +319,8 @@ class StoreServer:
             # the authenticated transcript under a secret, else random; unique per connection either way)
             conn.session = session
             conn.owner = ("session", session.id)
-            self._authenticated(key)
-            pending = False
+            if not self.admission.handshake_done(seat, session.authenticated):
+                return  # closed meanwhile to make room
             io = self._seal(sock, session) if session.protection == wire.AEAD else sock
             while True:
                 try:
@@ -355,8 +330,13 @@ class StoreServer:
                         self.counters.reject("protocol")
                         wire.send_refusal(io, exc)
                     return  # peer closed, idle, sent garbage or a record that failed its tag: drop it only
-                if not self._dispatch(io, msg, conn, session.version, session) or getattr(io, "broken", None):
-                    return
+                if not self.admission.begin(seat):
+                    return  # closed to make room just as the request arrived: unanswered, as a dropped line
+                try:
+                    if not self._dispatch(io, msg, conn, session.version, session) or getattr(io, "broken", None):
+                        return
+                finally:
+                    self.admission.end(seat)
         except OSError:
             pass
         except Exception as exc:  # a bug: close this connection, log it (rate-limited), keep serving
@@ -370,7 +350,7 @@ class StoreServer:
                 except Exception as exc:
                     self.log.warning("internal", "store server: landing cleanup for %s failed: %r",
                                      conn.peer, exc, exc_info=True)
-            self._leave(sock, key, pending)
+            self.admission.leave(seat)
             sock.close()
 
     def _seal(self, sock: socket.socket, session: Session):
@@ -697,27 +677,6 @@ def _peer(sock: socket.socket) -> str:
         return "%s:%s" % sock.getpeername()[:2]
     except OSError:
         return "?"
-
-
-def _peer_key(addr: tuple) -> str:
-    """What the per-peer caps count by: the IPv4 address, or an IPv6 peer's /64."""
-    try:
-        ip = ipaddress.ip_address(str(addr[0]).split("%", 1)[0])
-    except (ValueError, IndexError):
-        return str(addr)
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-    return str(ip)
-
-
-def _decrement(counts: dict[str, int], key: str) -> None:
-    n = counts.get(key, 0) - 1
-    if n > 0:
-        counts[key] = n
-    else:
-        counts.pop(key, None)
 
 
 def _close_now(sock: socket.socket) -> None:

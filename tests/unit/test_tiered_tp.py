@@ -698,3 +698,16 @@ def test_each_producer_ranks_shm_arena_is_the_one_its_ticket_names(pools) -> Non
     assert load(consumers, right)[0] is None
     assert loaded_equals_reference(full, consumers[0], 1, 0)
     assert consumers[0].totals.data["bytes_by_path"].get("shm", 0) > 0
+
+
+def test_the_store_servers_limits_are_settings(pools) -> None:
+    """Issue 34, row 5: the admission caps and the handshake deadline come from the connector's
+    settings (server_*), down to the worker's store server."""
+    cfg = {"server_max_connections": 40, "server_max_per_peer": 12, "server_max_pending": 10,
+           "server_handshake_timeout_s": 0.5}
+    _, producers, _ = pools(1, 1, producer_cfg=cfg)
+    srv = producers[0].server
+    caps = srv.admission.caps
+    assert (caps.max_connections, caps.max_per_peer, caps.max_pending, caps.pending_per_peer,
+            caps.pending_per_prefix) == (40, 12, 10, 5, 5)
+    assert srv.handshake_timeout_s == 0.5
