@@ -31,8 +31,9 @@ then seal every frame and every KV byte after it in AES-256-GCM records, keyed p
 `key` (HKDF-Expand, "c2s" / "s2c"), with a per-direction record counter as the nonce. It needs the
 shared secret and protocol v4; sides that disagree are refused at the handshake, naming both values.
 
-v3 peers (the previous version) speak the old one-way challenge (`prove_legacy`): the server proves
-nothing, and the client signs the server's nonce.
+v3 peers (the previous version) spoke a one-way challenge: the server proved nothing and the client
+signed the server's nonce. Neither side speaks it while it holds the secret (issue 34: a peer that
+claimed "v3 only" could downgrade a consumer that did); without a secret v3 authenticates nothing.
 
 The secret comes from an environment variable or a file, never from the command line, where
 `ps` and shell history would show it (`load_secret`). A world-readable file is refused; a
@@ -83,7 +84,6 @@ MIN_SECRET_BYTES = 16
 MIN_DISTINCT_BYTES = 8
 MAX_SECRETS = 2  # current + one also accepted, during a rotation
 _MAX_SECRET_FILE = 64 * 1024
-_LEGACY_DOMAIN = b"kvconnectors-auth-v1"   # v3's one-way challenge
 DOMAIN = b"kvconnectors-auth-v2"           # v4's transcript
 ROLE_SERVER, ROLE_CLIENT = b"server", b"client"
 _SESSION_INFO = b"kvconnectors session key v1"
@@ -92,7 +92,7 @@ _warned_group: set[str] = set()
 
 class Secrets(bytes):
     """The shared secret(s) of this side: the bytes are the *current* secret (what this side proves
-    itself with: `prove_role(secrets, ...)`, `prove_legacy`); `accepted` adds the one also accepted
+    itself with: `prove_role(secrets, ...)`); `accepted` adds the one also accepted
     during a rotation (module docstring). Compares and hashes as its current secret; its repr
     shows neither."""
 
@@ -310,17 +310,3 @@ class Session:
 
 def session_id(th: bytes | None) -> str:
     return hashlib.sha256(b"id\0" + th).hexdigest()[:32] if th is not None else secrets.token_hex(16)
-
-
-# ---------------------------------------------------------------------- v3: one way (previous version)
-def prove_legacy(secret: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, _LEGACY_DOMAIN + nonce, hashlib.sha256).digest()
-
-
-def verify_legacy(secret: bytes, nonce: bytes, mac: bytes) -> bool:
-    return isinstance(mac, bytes) and hmac.compare_digest(prove_legacy(bytes(secret), nonce), mac)
-
-
-
-# Names of before, for callers of the v3 helpers.
-prove, verify = prove_legacy, verify_legacy

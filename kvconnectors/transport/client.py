@@ -151,16 +151,17 @@ class StoreClient:
             raise TransferError(FailureCause.AUTH, f"producer {self.address} requires a shared secret; "
                                                    f"none is configured here ({auth.SECRET_ENV} or secret_file)")
         th = auth.transcript(version, compat, peer_name, nonce, welcome.nonce, self.protection)
-        if not auth.verify_role(secret, auth.ROLE_SERVER, th, welcome.proof):
+        matched = auth.verify_any(secret, auth.ROLE_SERVER, th, welcome.proof)  # during a rotation: either secret
+        if matched is None:
             self._abort(deadline)
             raise TransferError(FailureCause.AUTH, (
                 f"producer {self.address} did not prove the shared secret (another secret, or not the "
                 "producer); nothing was proved to it"))
-        self._send(wire.Proof(mac=auth.prove_role(secret, auth.ROLE_CLIENT, th)))
+        self._send(wire.Proof(mac=auth.prove_role(matched, auth.ROLE_CLIENT, th)))  # the secret it proved
         ack = self._expect(wire.Ack, deadline)
         if not ack.ok:
             raise TransferError(FailureCause.AUTH, f"producer {self.address}: {ack.message}")
-        key = auth.session_key(secret, th)
+        key = auth.session_key(matched, th)
         self.session = auth.Session(id=auth.session_id(th), version=version, authenticated=True, mutual=True,
                                     peer=self.address, peer_name=peer_name, key=key, protection=self.protection)
         if self.protection == wire.AEAD:

@@ -436,12 +436,15 @@ class StoreServer:
             proof = wire.recv_msg(sock, deadline=deadline)
         except TransferError:
             proof = None
-        if not isinstance(proof, wire.Proof) or not auth.verify_role(self.secret, auth.ROLE_CLIENT, th, proof.mac):
+        # during a rotation the client may prove with either accepted secret; the key is derived from that one
+        matched = auth.verify_any(self.secret, auth.ROLE_CLIENT, th, proof.mac) if isinstance(proof, wire.Proof) \
+            else None
+        if matched is None:
             self._auth_failed(sock, peer, proof)
             return None
         wire.send_msg(sock, wire.Ack(ok=True))
         return Session(id=auth.session_id(th), version=hello.version, authenticated=True, mutual=True, peer=peer,
-                       peer_name=hello.peer, key=auth.session_key(self.secret, th), protection=self.protection)
+                       peer_name=hello.peer, key=auth.session_key(matched, th), protection=self.protection)
 
     def _welcome_refusal(self, sock: socket.socket, error: str) -> None:
         try:

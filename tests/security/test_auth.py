@@ -78,3 +78,24 @@ def test_a_hello_without_a_nonce_is_refused(make_server) -> None:
         wire.send_msg(s, wire.Hello(version=wire.PROTOCOL_VERSION, compat_hash=COMPAT, peer="x"))
         welcome = wire.recv_msg(s, time.monotonic() + 5)
     assert not welcome.ok and "nonce" in welcome.error and welcome.proof is None, welcome
+
+
+def test_a_rotation_keeps_neighbouring_steps_talking_and_both_sides_agree_on_the_key(make_server) -> None:
+    """Issue 34, row 7: two secrets during a roll (auth.py, Rotation). Each step of the roll
+    ("OLD\\nNEW" -> "NEW\\nOLD" -> "NEW") handshakes with its neighbours through the real server and
+    client, and both ends derive the same session key. A server still on step 1 proves OLD, which a
+    client on step 3 no longer accepts: hence the whole pool reaches step 2 before any goes on."""
+    old, new = b"old-secret-0123456789abcdef", b"new-secret-fedcba9876543210"
+    steps = [auth.Secrets(old, new), auth.Secrets(new, old), auth.Secrets(new)]
+    for s_i, c_i in [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 1), (2, 2), (2, 0)]:
+        srv = make_server(secret=steps[s_i])
+        seen = []
+        real = srv._handshake
+        srv._handshake = lambda sock, deadline, real=real: seen.append(real(sock, deadline)) or seen[-1]
+        with StoreClient("127.0.0.1", srv.port, compat=COMPAT, secret=steps[c_i]) as c:
+            assert c.status(time.monotonic() + 5).entries == 0, (s_i, c_i)
+            assert c.session.key == seen[0].key and c.session.mutual, (s_i, c_i)
+    srv = make_server(secret=steps[0])
+    with pytest.raises(TransferError) as exc:
+        StoreClient("127.0.0.1", srv.port, compat=COMPAT, secret=steps[2])
+    assert exc.value.cause is FailureCause.AUTH and "did not prove" in exc.value.detail, exc.value
