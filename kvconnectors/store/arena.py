@@ -290,8 +290,8 @@ def open_peer_arena(path: str, *, slot: int = 0, min_bytes: int = 0,
                     require_live: bool = True) -> tuple[int, os.stat_result]:
     """Open another process's arena at `path` read-only, after checking it can be one: not a
     symlink, FIFO, device, socket or directory (lstat first: such a name is never opened; then
-    O_NOFOLLOW | O_NONBLOCK, and the fstat of what was opened decides); owned by this process's uid
-    or root; writable by neither group nor others; at least `min_bytes` long and, with `slot`, whole
+    O_NOFOLLOW | O_NONBLOCK, and the fstat of what was opened decides); owned by this process's uid;
+    writable by neither group nor others; at least `min_bytes` long and, with `slot`, whole
     `slot`-byte slots; with `require_live`, exclusively locked (a live store holds LOCK_EX on its
     arena for its life; a file whose lock is free belongs to no store). Returns (fd, its fstat); the
     caller closes fd. ArenaRefused (`.why`) for a file that fails a check, OSError when the path
@@ -319,7 +319,7 @@ def _check_peer_arena(fd: int, st: os.stat_result, path: str, slot: int, min_byt
     if not stat.S_ISREG(st.st_mode):
         raise ArenaRefused(path, f"is {_kind(st.st_mode)}")
     me = os.geteuid()
-    if st.st_uid not in (me, 0):
+    if st.st_uid != me:
         raise ArenaRefused(path, f"is owned by uid {st.st_uid}, not this process's uid {me} (a store creates its "
                                  "arena 0600 as the user it runs as)")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -327,7 +327,7 @@ def _check_peer_arena(fd: int, st: os.stat_result, path: str, slot: int, min_byt
                                  "creates its arena 0600")
     if st.st_size < max(min_bytes, 1) or (slot > 0 and st.st_size % slot):
         raise ArenaRefused(path, f"has {st.st_size} bytes: not whole {slot}-byte slots, or fewer than the "
-                                 f"{min_bytes} bytes this read needs" if slot > 0 else
+                                 f"{-(-min_bytes // slot)} slots this read needs" if slot > 0 else
                            f"has {st.st_size} bytes, fewer than the {max(min_bytes, 1)} this read needs")
     if not require_live:
         return

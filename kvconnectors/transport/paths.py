@@ -18,12 +18,9 @@ path object for everything that differs, so adding or mocking a path is one clas
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import mmap
 import os
 import socket
-import stat
 import threading
 import time
 from collections import OrderedDict
@@ -35,7 +32,7 @@ import numpy as np
 import xxhash
 
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
-from kvconnectors.store.arena import SHM_DIR
+from kvconnectors.store.arena import SHM_DIR, ArenaRefused, open_peer_arena
 from kvconnectors.store.config import _NAME_RE as SHM_NAME_RE  # a store's shm_name: its arena's file name
 from kvconnectors.transport import block_shares, wire
 from kvconnectors.transport.nixl_device import DeviceRows, merge_runs
@@ -575,9 +572,6 @@ def read_deadline(nbytes: int) -> float:
 _SHM_MAX_ARENAS = 8
 _shm_arenas: OrderedDict[str, tuple[tuple[int, int, int], memoryview]] = OrderedDict()
 _shm_lock = threading.Lock()
-# Opened without following a symlink, without blocking (a FIFO's open waits for a writer) and
-# without becoming a controlling terminal; the fstat of what was opened decides.
-_SHM_OPEN_FLAGS = (os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
 
 
 def _shm_refused(path: str, peer: str, why: str) -> TransferError:
@@ -618,17 +612,14 @@ def _shm_arena(path: str, slot: int, nblocks: int, deadline: float, peer: str = 
             _shm_arenas.move_to_end(path)
             return cached[1]
         _shm_arenas.pop(path, None)
-        try:  # what the name is, before opening it: a device or FIFO is never opened at all
-            _check_kind(os.lstat(path).st_mode, path, peer)
-            fd = os.open(path, _SHM_OPEN_FLAGS)
+        try:  # store/arena.py checks what the name is before opening it, then what was opened
+            fd, st = open_peer_arena(path, slot=slot, min_bytes=slot * max(1, nblocks))
+        except ArenaRefused as exc:
+            raise _shm_refused(path, peer, exc.why) from None
         except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a symlink put in its place since the lstat
-                raise _shm_refused(path, peer, "is a symbolic link") from None
             raise TransferError(FailureCause.PEER_UNREACHABLE,
                                 f"cannot open the producer's shm arena {path}: {exc.strerror}") from None
         try:
-            st = os.fstat(fd)  # the file we opened, which may differ from the one lstat'ed above
-            _check_arena_file(fd, st, path, slot, nblocks, peer)
             if time.monotonic() >= deadline:
                 raise TransferError(FailureCause.TIMEOUT, "the load deadline passed while opening the shm arena")
             arena = memoryview(mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
@@ -642,33 +633,6 @@ def _shm_arena(path: str, slot: int, nblocks: int, deadline: float, peer: str = 
         while len(_shm_arenas) > _SHM_MAX_ARENAS:
             _shm_arenas.popitem(last=False)
         return arena
-
-
-def _check_kind(mode: int, path: str, peer: str) -> None:
-    if not stat.S_ISREG(mode):
-        kind = ("a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
-                "a directory" if stat.S_ISDIR(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-        raise _shm_refused(path, peer, f"is {kind}")
-
-
-def _check_arena_file(fd: int, st: os.stat_result, path: str, slot: int, nblocks: int, peer: str) -> None:
-    """Refuse (TransferError) what `fd` opened unless it can be a live store's arena for this read."""
-    _check_kind(st.st_mode, path, peer)
-    if st.st_uid != os.geteuid():
-        raise _shm_refused(path, peer, f"is owned by uid {st.st_uid}, not this process's uid {os.geteuid()} (a "
-                                       "store creates its arena 0600 as the user it runs as)")
-    if slot <= 0 or st.st_size < slot * max(1, nblocks) or st.st_size % slot:
-        raise _shm_refused(path, peer, f"has {st.st_size} bytes: not whole {slot}-byte slots, or fewer than the "
-                                       f"{nblocks} slots this read needs")
-    try:  # the store holds LOCK_EX for its arena's life: a lock we can take means no live store owns the file
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return
-    except OSError as exc:
-        raise _shm_refused(path, peer, f"cannot be checked for its store's lock ({exc.strerror})") from None
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    raise _shm_refused(path, peer, "is not held by a live store (its lock is free)")
 
 
 def _file_id(path: str) -> tuple[int, int, int] | None:

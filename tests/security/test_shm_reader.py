@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 
 from kvconnectors.errors import FailureCause, TransferError
-from kvconnectors.store.arena import SHM_DIR, DramArena
+from kvconnectors.store import arena as arena_mod
+from kvconnectors.store.arena import SHM_DIR, ArenaRefused, DramArena
 from kvconnectors.transport import paths, wire
 from kvconnectors.transport.paths import SHM_PULL
 
@@ -161,8 +162,8 @@ def test_devices_directories_and_sockets_are_refused(shm_files):
     except PermissionError:  # no CAP_MKNOD here: check the same guard on /dev/null itself
         fd = os.open("/dev/null", os.O_RDONLY)
         try:
-            with pytest.raises(TransferError, match="is a device"):
-                paths._check_arena_file(fd, os.fstat(fd), "/dev/null", SLOT, 1, "p")
+            with pytest.raises(ArenaRefused, match="is a device"):  # what the reader's open checks (store/arena.py)
+                arena_mod._check_peer_arena(fd, os.fstat(fd), "/dev/null", SLOT, SLOT, True)
         finally:
             os.close(fd)
     else:
