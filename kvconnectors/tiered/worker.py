@@ -786,7 +786,6 @@ class TieredConnectorWorker:
         one, over shm bound to the arena the ticket names for that rank. A ticket that cannot use it
         (shm, but it names no arena for that rank; nixl into a device cache that is not registered
         as VRAM, see _open_nixl_device) goes over tcp, counted and logged: never silently."""
-        arena = kvparams.shm_arena(p, self.layout.tp_rank if rank is None else rank)
         transport = self.config.transport
         if transport == "nixl" and not direct:
             if not self._warned_nixl_device:  # normally said at start-up, with the reason
@@ -795,6 +794,7 @@ class TieredConnectorWorker:
                                "over tcp into page-locked host memory instead", self.geometry.device)
             self._record("record_path_fallback", "nixl", TCP_PULL.label)
             return TCP_PULL
+        arena = kvparams.shm_arena(p, self.layout.tp_rank if rank is None else rank) if transport == "shm" else ""
         if transport == "shm" and not arena:
             logger.warning("request %s: transport shm configured, but the producer's ticket names no shm arena "
                            "for this rank (is the producer on transport shm and this host?); pulling over tcp",
