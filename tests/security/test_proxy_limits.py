@@ -17,146 +17,19 @@ about 240 MiB.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import json
-import os
 import re
-import subprocess
-import sys
 import time
-from typing import Any
 
 import aiohttp
-import psutil
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from kvconnectors.integration import proxy as P
+from proxy_kit import (MiB, InProcess, ProxyProcess, Upstream, assert_openai_error, body_of, headers_only,
+                       run)
 
 pytestmark = pytest.mark.timeout(60)
-
-MiB = 1 << 20
-REPLY_S = 5.0  # a refusal must come within this, with the body never sent
-
-
-def run(coro: Any, timeout: float = 40.0) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro, timeout)
-    return asyncio.run(bounded())
-
-
-class Upstream:
-    """One fake vLLM instance for both roles: a prefill leg (do_remote_decode) waits for `hold`,
-    then returns kv_transfer_params; a decode leg answers at once."""
-
-    def __init__(self) -> None:
-        self.hold = asyncio.Event()
-        self.held = 0      # prefill legs waiting on `hold` now
-        self.prefills = 0  # prefill legs that arrived
-        self.server: TestServer | None = None
-
-    @property
-    def url(self) -> str:
-        assert self.server is not None
-        return f"http://127.0.0.1:{self.server.port}"
-
-    async def start(self) -> "Upstream":
-        app = web.Application(client_max_size=256 * MiB)
-        app.router.add_get("/health", lambda r: web.Response(text=""))
-        app.router.add_post("/v1/completions", self._gen)
-        self.server = TestServer(app, host="127.0.0.1", port=0)
-        await self.server.start_server()
-        return self
-
-    async def close(self) -> None:
-        if self.server is not None:
-            await self.server.close()
-
-    async def _gen(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
-            self.prefills += 1
-            self.held += 1
-            try:
-                await asyncio.wait_for(self.hold.wait(), 30)
-            finally:
-                self.held -= 1
-            return web.json_response({"choices": [{"text": "t"}], "kv_transfer_params": {"remote_host": "x"}})
-        return web.json_response({"choices": [{"index": 0, "text": "ok"}]})
-
-
-class InProcess:
-    def __init__(self, **config: Any):
-        self.config = config
-        self.up = Upstream()
-        self.up.hold.set()
-
-    async def __aenter__(self) -> "InProcess":
-        await self.up.start()
-        cfg = P.ProxyConfig(prefill=[P.InstanceSpec(self.up.url)], decode=[P.InstanceSpec(self.up.url)],
-                            health_interval=60.0, **self.config)
-        self.proxy = P.PDProxy(cfg)
-        self.port = await self.proxy.start("127.0.0.1", 0)
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        self.up.hold.set()
-        await self.session.close()
-        await self.proxy.stop()
-        await self.up.close()
-
-    async def post(self, data: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
-        async with self.session.post(f"http://127.0.0.1:{self.port}/v1/completions", data=data,
-                                     headers={"Content-Type": "application/json", **(headers or {})}) as r:
-            raw = await r.read()
-            return r.status, dict(r.headers), raw
-
-
-def body_of(nbytes: int) -> bytes:
-    """A completions request of exactly `nbytes` bytes of JSON."""
-    head, tail = b'{"model": "m", "max_tokens": 2, "prompt": "', b'"}'
-    return head + b"x" * (nbytes - len(head) - len(tail)) + tail
-
-
-async def headers_only(port: int, content_length: int | None, chunk: int = 0) -> tuple[int, dict[str, str], bytes]:
-    """Send a request's headers and none of its body (or, chunked, one `chunk`-byte chunk and then
-    nothing, not even the chunk's end); return the reply the proxy sends anyway (TimeoutError if it
-    waits for the rest of the body instead)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        length = (f"Content-Length: {content_length}\r\n" if content_length is not None
-                  else "Transfer-Encoding: chunked\r\n")
-        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     f"{length}\r\n".encode())
-        if chunk:
-            writer.write(b"%x\r\n" % chunk + b"x" * chunk)
-        await writer.drain()
-        status_line = await asyncio.wait_for(reader.readline(), REPLY_S)
-        headers: dict[str, str] = {}
-        while True:
-            line = (await asyncio.wait_for(reader.readline(), REPLY_S)).decode().strip()
-            if not line:
-                break
-            k, _, v = line.partition(":")
-            headers[k.strip().lower()] = v.strip()
-        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), REPLY_S)
-        return int(status_line.split()[1]), headers, body
-    finally:
-        writer.close()
-        try:
-            await asyncio.wait_for(writer.wait_closed(), 2)
-        except (asyncio.TimeoutError, OSError):
-            pass
-
-
-def assert_openai_error(status: int, headers: dict[str, str], raw: bytes, code: int, type_: str) -> dict:
-    ctype = {k.lower(): v for k, v in headers.items()}["content-type"]
-    assert status == code and ctype.startswith("application/json"), (status, ctype, raw[:200])
-    err = json.loads(raw)["error"]
-    assert err["code"] == code and err["type"] == type_ and err["message"], err
-    return err
 
 
 # ---------------------------------------------------------------------------------------------- 413
@@ -272,7 +145,6 @@ def test_limits_are_flags_and_inconsistent_ones_are_refused():
                         max_body_bytes=8 * MiB, max_inflight_body_bytes=4 * MiB)
     with pytest.raises(ValueError, match="--max-inflight-body-bytes"):
         cfg.validate()
-    import argparse
     parser = argparse.ArgumentParser()
     P.add_arguments(parser)
     args = parser.parse_args(["--prefill", "http://p:1", "--decode", "http://d:1", "--max-body-bytes", "8MiB",
@@ -294,59 +166,38 @@ def test_proxy_memory_stays_bounded_under_concurrent_large_bodies():
     async def go():
         up = await Upstream().start()
         up.hold.clear()
-        cmd = [sys.executable, "-m", "kvconnectors.integration.proxy", "--prefill", up.url, "--decode", up.url,
-               "--port", "0", "--health-interval", "60", "--max-body-bytes", "8MiB",
-               "--max-inflight-body-bytes", "8MiB", "--log-level", "INFO"]
-        proc = await asyncio.create_subprocess_exec(*cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
         try:
-            port = None
-            while port is None:
-                line = (await asyncio.wait_for(proc.stderr.readline(), 20)).decode()
-                assert line, "the proxy exited before listening"
-                m = re.search(r"P/D proxy on http://127\.0\.0\.1:(\d+)", line)
-                port = int(m.group(1)) if m else None
-            drain = asyncio.ensure_future(proc.stderr.read())  # keep its pipe from filling
-            url = f"http://127.0.0.1:{port}/v1/completions"
-            ps = psutil.Process(proc.pid)
-            up.hold.set()
-            async with session.post(url, data=body_of(1000)) as r:  # warm up: one small request
-                assert r.status == 200
-            up.hold.clear()
-            base = ps.memory_info().rss
-            body = body_of(size)
+            async with ProxyProcess(up, "--max-body-bytes", "8MiB", "--max-inflight-body-bytes", "8MiB") as proxy:
+                up.hold.set()
+                async with session.post(proxy.url, data=body_of(1000)) as r:  # warm up: one small request
+                    assert r.status == 200
+                up.hold.clear()
+                base = proxy.rss()
+                body = body_of(size)
 
-            async def one() -> int:
-                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
-                    await r.read()
-                    return r.status
-            tasks = [asyncio.ensure_future(one()) for _ in range(n)]
-            peak, deadline = base, time.monotonic() + 20
-            while time.monotonic() < deadline and sum(t.done() for t in tasks) < n - up.held:
-                peak = max(peak, ps.memory_info().rss)
-                await asyncio.sleep(0.05)
-            for _ in range(10):  # a little longer: anything still growing shows
-                peak = max(peak, ps.memory_info().rss)
-                await asyncio.sleep(0.05)
-            held = up.held
-            up.hold.set()
-            statuses = sorted(await asyncio.gather(*tasks))
-            growth = (peak - base) / MiB
-            print(f"proxy RSS {base / MiB:.0f} MiB -> peak {peak / MiB:.0f} MiB (+{growth:.0f}) with {n} x "
-                  f"{size // MiB} MiB bodies; held at prefill {held}; statuses {statuses}")
-            assert held == 1 and statuses == [200] + [503] * (n - 1), statuses
-            assert growth < 64, f"proxy RSS grew by {growth:.0f} MiB"
-            drain.cancel()
+                async def one() -> int:
+                    async with session.post(proxy.url, data=body, headers={"Content-Type": "application/json"}) as r:
+                        await r.read()
+                        return r.status
+                tasks = [asyncio.ensure_future(one()) for _ in range(n)]
+                peak, deadline = base, time.monotonic() + 20
+                while time.monotonic() < deadline and sum(t.done() for t in tasks) < n - up.held:
+                    peak = max(peak, proxy.rss())
+                    await asyncio.sleep(0.05)
+                for _ in range(10):  # a little longer: anything still growing shows
+                    peak = max(peak, proxy.rss())
+                    await asyncio.sleep(0.05)
+                held = up.held
+                up.hold.set()
+                statuses = sorted(await asyncio.gather(*tasks))
+                growth = (peak - base) / MiB
+                print(f"proxy RSS {base / MiB:.0f} MiB -> peak {peak / MiB:.0f} MiB (+{growth:.0f}) with {n} x "
+                      f"{size // MiB} MiB bodies; held at prefill {held}; statuses {statuses}")
+                assert held == 1 and statuses == [200] + [503] * (n - 1), statuses
+                assert growth < 64, f"proxy RSS grew by {growth:.0f} MiB"
         finally:
             up.hold.set()
             await session.close()
-            if proc.returncode is None:
-                proc.terminate()
-                try:
-                    await asyncio.wait_for(proc.wait(), 10)
-                except asyncio.TimeoutError:
-                    proc.kill()
-                    await proc.wait()
             await up.close()
     run(go(), timeout=50)
