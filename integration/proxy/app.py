@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import time
+import traceback
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -19,8 +21,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvconnectors.cli_types import binding
 
+from .clients import ClientGuard
 from .config import MODE_HEADER, MODES, ProxyConfig
-from .errors import ClientGone, PassThrough, ProxyError, error_body, is_connect_error, snippet, upstream_failure
+from .errors import (ClientGone, PassThrough, ProxyError, error_body, error_response, is_connect_error, snippet,
+                     upstream_failure)
+from .jsonbody import Fields, LegBody, decode_body, decode_object
 from .limits import RETRY_AFTER_S, BodyBudget, read_body
 from .metrics import ProxyMetrics
 from .pool import HealthChecker, Instance, Pool
@@ -28,8 +33,9 @@ from .pool import HealthChecker, Instance, Pool
 log = logging.getLogger("kvconnectors.proxy")
 
 REQUEST_ID_HEADER = "X-Request-Id"
-# ProxyError reasons of the body limits (limits.py): counted in kvproxy_body_refusals, logged at debug
-LIMIT_REASONS = ("body_too_large", "body_budget_exhausted")
+# ProxyError reasons of the body limits (limits.py, jsonbody.py): counted in kvproxy_body_refusals,
+# logged at debug
+LIMIT_REASONS = ("body_too_large", "body_budget_exhausted", "body_timeout", "too_many_strings")
 # Headers passed on to both legs (vLLM may run with --api-key).
 FORWARDED_HEADERS = ("Authorization",)
 
@@ -47,13 +53,21 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 
 def prefill_kv_params(client: Any, forward: Sequence[str], push_target: str | None = None) -> dict[str, Any]:
     """The prefill leg's kv_transfer_params: the client's keys named in `forward` (none by default: a
-    client must not steer the transfer plane unless the operator allows that key), then ours, which
-    always win; in push mode the decode's landing store to push to. Our proxy's and the Ray backend's."""
+    client must not steer the transfer plane unless the operator allows that key, and transfer-plane
+    keys need an unlock, config.check_forwarded_keys), then ours, which always win; in push mode the
+    decode's landing store to push to. Our proxy's and the Ray backend's."""
     kv = {k: client[k] for k in forward if k in client} if isinstance(client, dict) else {}
     kv.update(PREFILL_KV_PARAMS)
     if push_target is not None:
         kv.update(transfer_mode="push", push_target=push_target)
     return kv
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Clear the locals of the frames `exc` came through. A failed leg's frames hold the request's
+    bodies and a local naming the exception (`raise failure`), a cycle that only the cyclic GC frees:
+    the bodies of every failed large request stayed resident until it ran (+32 MiB a request)."""
+    traceback.clear_frames(exc.__traceback__)
 
 
 @dataclasses.dataclass
@@ -62,7 +76,7 @@ class _Call:
 
     endpoint: str            # "completions" | "chat"
     path: str                # /v1/completions | /v1/chat/completions
-    body: dict[str, Any]
+    body: Fields             # the client's top-level fields, their values raw JSON (jsonbody.py)
     request_id: str
     mode: str
     headers: dict[str, str]
@@ -76,11 +90,17 @@ class PDProxy:
         self.metrics = ProxyMetrics()
         self.bodies = BodyBudget(config.max_inflight_body_bytes)
         self.metrics.body_bytes.set_function(lambda: self.bodies.held)
+        self.clients = ClientGuard(max_connections=config.max_client_connections,
+                                   max_requests=config.max_client_requests, header_timeout=config.header_timeout,
+                                   metrics=self.metrics)
+        self._metrics_token = config.metrics_token()
         self.prefill = Pool("prefill", config.prefill, self.metrics)
         self.decode = Pool("decode", config.decode, self.metrics)
         self.health = HealthChecker(self.all_instances(), interval=config.health_interval,
                                     timeout=config.health_timeout, unhealthy_after=config.unhealthy_after)
         self.app = self._build_app()
+        # with --metrics-port, /metrics and /health have an app (and a listener) of their own
+        self.monitor_app = self._build_monitor_app() if config.metrics_port is not None else None
         self.session: aiohttp.ClientSession | None = None
         # ClientTimeout objects are immutable: build them once, not per request.
         c = config
@@ -88,41 +108,63 @@ class PDProxy:
         self._decode_timeout = aiohttp.ClientTimeout(total=c.decode_timeout, sock_connect=c.connect_timeout,
                                                      sock_read=c.decode_idle_timeout)
         self._models_timeout = aiohttp.ClientTimeout(total=c.connect_timeout + 10)
-        self._runner: web.AppRunner | None = None
+        self._runners: list[web.AppRunner] = []
+        self._listeners: list[asyncio.AbstractServer] = []
         self._health_task: asyncio.Task[None] | None = None
         self.port: int | None = None
+        self.metrics_port: int | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
 
     def _build_app(self) -> web.Application:
         # client_max_size: a backstop only; bodies are read by limits.read_body, which answers 413/503 as JSON
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self.clients.middleware])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/healthcheck", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        if self.config.metrics_port is None:
+            self._add_monitor_routes(app)
         return app
+
+    def _build_monitor_app(self) -> web.Application:
+        app = web.Application(middlewares=[self.clients.middleware])
+        self._add_monitor_routes(app)
+        return app
+
+    def _add_monitor_routes(self, app: web.Application) -> None:
+        for path, handler in (("/health", self._health), ("/healthcheck", self._health), ("/metrics", self._metrics)):
+            app.router.add_get(path, self._token_checked(handler))
 
     async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
         """Check every instance once, then listen. Returns the bound port (useful with port=0)."""
         self.session = self._new_session()
         await self.check_health_once()
         self._health_task = asyncio.create_task(self.health.run(self.session), name="proxy-health")
-        # handler_cancellation: a client that disconnects cancels its handler, which closes both
-        # upstream connections, which makes vLLM abort the request.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        with binding(host, port):  # a taken port: PortInUseError, which the CLI turns into one line
-            await site.start()
-        sockets = getattr(site._server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else port
+        self.port = await self._listen(self.app, host, port)
         log.info("P/D proxy on http://%s:%s (mode %s); prefill %s; decode %s", host, self.port,
                  self.config.mode, [i.url for i in self.prefill.instances],
                  [i.state() for i in self.decode.instances])
+        if self.monitor_app is not None:
+            assert self.config.metrics_port is not None
+            self.metrics_port = await self._listen(self.monitor_app, self.config.metrics_host, self.config.metrics_port)
+            log.info("P/D proxy metrics and health on http://%s:%s", self.config.metrics_host, self.metrics_port)
         return self.port
+
+    async def _listen(self, app: web.Application, host: str, port: int) -> int:
+        """Serve `app` on host:port through the per-client guard (clients.py); returns the bound port."""
+        # handler_cancellation: a client that disconnects cancels its handler, which closes both
+        # upstream connections, which makes vLLM abort the request.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                               keepalive_timeout=self.config.keepalive_timeout)
+        await runner.setup()
+        self._runners.append(runner)
+        assert runner.server is not None
+        with binding(host, port):  # a taken port: PortInUseError, which the CLI turns into one line
+            listener = await asyncio.get_running_loop().create_server(
+                self.clients.factory(runner.server), host, port, backlog=128)  # aiohttp's TCPSite backlog
+        self._listeners.append(listener)
+        sockets = listener.sockets or []
+        return sockets[0].getsockname()[1] if sockets else port
 
     def _new_session(self) -> aiohttp.ClientSession:
         """Keep-alive connections to every instance (limit_per_host=0: only the total is bounded).
@@ -138,9 +180,12 @@ class PDProxy:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        for listener in self._listeners:  # as aiohttp's TCPSite.stop: no new connections, open ones to cleanup()
+            listener.close()
+        self._listeners.clear()
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -166,6 +211,22 @@ class PDProxy:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _token_checked(self, handler: Any) -> Any:
+        """`handler` behind --metrics-token-file's bearer token, when there is one."""
+        token = self._metrics_token
+        if token is None:
+            return handler
+        expected = b"Bearer " + token
+
+        async def checked(request: web.Request) -> web.StreamResponse:
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, expected):
+                return error_response(401, "authentication_error", (
+                    f"{request.path} needs 'Authorization: Bearer TOKEN' with the token of --metrics-token-file"),
+                    {"WWW-Authenticate": "Bearer"})
+            return await handler(request)
+        return checked
 
     async def _models(self, request: web.Request) -> web.Response:
         assert self.session is not None
@@ -194,7 +255,7 @@ class PDProxy:
     def _error(self, status: int, type_: str, message: str, request_id: str,
                headers: dict[str, str] | None = None) -> web.Response:
         headers = {**({REQUEST_ID_HEADER: request_id} if request_id else {}), **(headers or {})}
-        return web.json_response(error_body(status, type_, message), status=status, headers=headers)
+        return error_response(status, type_, message, headers)
 
     async def _handle(self, request: web.Request, endpoint: str, path: str) -> web.StreamResponse:
         started = time.monotonic()
@@ -203,16 +264,9 @@ class PDProxy:
         lease = None
         try:
             # 413 / 503 before reading what the limits refuse; held until the response is sent
-            data, lease = await read_body(request, self.bodies, self.config.max_body_bytes)
-            try:  # msgspec: 5-10x faster than json both ways, which counts on long prompts
-                body = msgspec.json.decode(data)
-                if not isinstance(body, dict):
-                    raise ValueError("the body must be a JSON object")
-            except ValueError as exc:  # msgspec.DecodeError is a ValueError
-                raise ProxyError(400, "invalid_request_error", f"invalid JSON body: {exc}") from None
-            except RecursionError:  # msgspec's depth guard: deeply nested arrays or objects
-                raise ProxyError(400, "invalid_request_error", "invalid JSON body: nested too deeply") from None
-            del data  # the decoded body is what the legs use
+            data, lease = await read_body(request, self.bodies, self.config.max_body_bytes, self.config.body_timeout)
+            body = decode_body(data, self.config.max_body_strings)  # its values are views of `data`
+            del data
             mode = request.headers.get(MODE_HEADER, self.config.mode).strip().lower()
             if mode not in MODES:
                 raise ProxyError(400, "invalid_request_error",
@@ -224,14 +278,17 @@ class PDProxy:
             status = resp.status
             return resp
         except ClientGone as exc:
+            drop_frames(exc)
             status = 499  # client closed the request (nginx's convention)
             log.info("request %s: client disconnected; upstream request closed", request_id)
             return exc.response
         except PassThrough as exc:
+            drop_frames(exc)
             status = exc.status
             return web.Response(body=exc.body, status=exc.status, content_type=exc.content_type or "application/json",
                                 headers={REQUEST_ID_HEADER: request_id})
         except ProxyError as exc:
+            drop_frames(exc)
             status = exc.status
             if exc.reason in LIMIT_REASONS:  # counted by status; one line per refusal would flood the log
                 self.metrics.body_refusals.labels(exc.reason).inc()
@@ -239,13 +296,21 @@ class PDProxy:
             else:
                 log.warning("request %s failed: %s", request_id, exc.message)
             retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.reason == "body_budget_exhausted" else None
-            return self._error(exc.status, exc.type, f"{exc.message} (request id {request_id})", request_id, retry)
+            resp = self._error(exc.status, exc.type, f"{exc.message} (request id {request_id})", request_id, retry)
+            if exc.reason == "body_timeout" and request.transport is not None:
+                # The rest of the body is not coming: answer and close now (after any other refusal,
+                # aiohttp lingers up to 10 s to drain the body, so that the client reads the answer).
+                await resp.prepare(request)
+                await resp.write_eof()
+                request.transport.close()
+            return resp
         except asyncio.CancelledError:
             status = 499
             raise
         except Exception as exc:  # a bug, not the client: still OpenAI-style JSON, never aiohttp's text/plain 500
             status = 500
             log.exception("request %s: internal error", request_id)
+            drop_frames(exc)
             return self._error(500, "internal_error", f"proxy internal error: {type(exc).__name__} "
                                f"(request id {request_id})", request_id)
         finally:
@@ -283,21 +348,22 @@ class PDProxy:
             decode.release()
 
     def _prefill_body(self, call: _Call, push_target: str | None) -> dict[str, Any]:
-        body = dict(call.body)
+        body: dict[str, Any] = dict(call.body)
         body["max_tokens"] = 1
         if call.endpoint == "chat":
             body["max_completion_tokens"] = 1
         body["stream"] = False
         body.pop("stream_options", None)
         body.pop("min_tokens", None)
-        body["kv_transfer_params"] = prefill_kv_params(call.body.get("kv_transfer_params"),
-                                                       self.config.forward_kv_params, push_target)
+        forward = self.config.forward_kv_params
+        client_kv = decode_object(call.body.get("kv_transfer_params")) if forward else {}
+        body["kv_transfer_params"] = prefill_kv_params(client_kv, forward, push_target)
         return body
 
     async def _prefill(self, call: _Call, push_target: str | None = None) -> dict[str, Any]:
         """Run the prefill leg, retrying retryable failures on other instances. Returns the
         kv_transfer_params for the decode leg."""
-        body = msgspec.json.encode(self._prefill_body(call, push_target))
+        body = LegBody(self._prefill_body(call, push_target))
         tried: set[Instance] = set()
         errors: list[str] = []
         last: ProxyError | None = None
@@ -328,13 +394,14 @@ class PDProxy:
                              f"prefill failed on {len(errors)} instances: " + "; ".join(errors), last.reason)
         raise last
 
-    async def _prefill_once(self, inst: Instance, call: _Call, body: bytes) -> dict[str, Any]:
+    async def _prefill_once(self, inst: Instance, call: _Call, body: LegBody) -> dict[str, Any]:
         assert self.session is not None
         cfg = self.config
         t0 = time.monotonic()
         inst.acquire()
         try:
-            async with self.session.post(inst.endpoint(call.path), data=body, headers=call.headers,
+            async with self.session.post(inst.endpoint(call.path), data=body.chunks(),
+                                         headers={**call.headers, "Content-Length": str(body.size)},
                                          timeout=self._prefill_timeout) as resp:
                 data = await resp.read()
                 failure = upstream_failure("prefill", inst.url, resp.status, data, resp.content_type)
@@ -371,13 +438,13 @@ class PDProxy:
                       inst: Instance) -> web.StreamResponse:
         assert self.session is not None
         cfg = self.config
-        body = dict(call.body)
-        body["kv_transfer_params"] = kv
+        leg = LegBody({**call.body, "kv_transfer_params": kv})
         out: web.StreamResponse | None = None
         fail = self.metrics.decode_failures
         try:
-            async with self.session.post(inst.endpoint(call.path), data=msgspec.json.encode(body),
-                                         headers=call.headers, timeout=self._decode_timeout) as up:
+            async with self.session.post(inst.endpoint(call.path), data=leg.chunks(),
+                                         headers={**call.headers, "Content-Length": str(leg.size)},
+                                         timeout=self._decode_timeout) as up:
                 try:
                     if up.status >= 400:  # an error body, never a stream: read it whole
                         failure = upstream_failure("decode", inst.url, up.status, await up.read(), up.content_type)

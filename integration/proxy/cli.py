@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         _run_loop(serve(config, config.host, config.port))
     except PortInUseError as exc:
-        print(f"kvconnectors proxy: error: {exc.advice('--port')}", file=sys.stderr)
+        flag = "--metrics-port" if config.metrics_port and exc.port == config.metrics_port else "--port"
+        print(f"kvconnectors proxy: error: {exc.advice(flag)}", file=sys.stderr)
         return 2
     return 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
@@ -15,12 +17,31 @@ from kvconnectors import settings
 from kvconnectors.cli_types import (LOG_LEVELS, MAX_PORT, log_level, non_negative_int, port_or_zero, positive_float,
                                     positive_int)
 from kvconnectors.cli_types import port as parse_port
+from kvconnectors.errors import ConfigError
 from kvconnectors.store.sizes import parse_size
 
 # A request picks its own mode with this header (named in --mode's help, read by the app).
 MODE_HEADER = "X-KV-Transfer-Mode"
 Mode = Literal["pull", "push"]
 MODES: tuple[str, ...] = get_args(Mode)
+
+# kv_transfer_params keys that steer the transfer plane: where a prefill pushes the KV and how (ours
+# set them in push mode), and every key of TieredConnector's own (kvc: the ticket, kvc_fault: the
+# test hooks' corruption). A client that could set them would choose where its KV goes.
+TRANSFER_PLANE_KEYS = ("push_target", "transfer_mode")
+TRANSFER_PLANE_PREFIX = "kvc"
+
+
+def check_forwarded_keys(keys: Sequence[str], *, setting: str, unlocked: bool, unlock: str) -> None:
+    """Refuse transfer-plane keys among the client kv_transfer_params keys an operator lets through to
+    the prefill leg (ConfigError naming `setting` and the keys), unless `unlocked` (`unlock` says how).
+    The one rule of the proxy's --forward-kv-params and the Ray backend's forwarded keys."""
+    refused = [k for k in keys if k in TRANSFER_PLANE_KEYS or k.startswith(TRANSFER_PLANE_PREFIX)]
+    if refused and not unlocked:
+        raise ConfigError(setting, ",".join(keys), (
+            f"{', '.join(map(repr, refused))} would let a client steer the transfer plane (where the KV is "
+            f"pushed, how it moves, or TieredConnector's test faults): refused unless {unlock}, which is for "
+            "tests and chaos runs only"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,16 +100,51 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "largest client request body, in bytes (64MiB, 8m and 1000000 all work); a larger one is answered 413 "
         "with OpenAI-style error JSON before it is read", ge=1, parse=byte_size, metavar="BYTES")] = 64 * 2**20
     max_inflight_body_bytes: Annotated[int, _flag(
-        "request body bytes held at once over all requests in flight, each until its response is sent; a "
-        "request that does not fit is answered 503 (Retry-After: 1) before its body is read. The proxy's "
-        "memory grows by a few times this at most (decoded bodies, both legs); at least --max-body-bytes",
+        "request body bytes held at once over all requests in flight, counted as they arrive and held until "
+        "the response is sent; a request whose Content-Length does not fit in what is left is answered 503 "
+        "(Retry-After: 1) before its body is read, one that crosses the limit while its body arrives the "
+        "same. The proxy's memory grows by a few times this at most (the bodies of both legs); at least "
+        "--max-body-bytes",
         ge=1, parse=byte_size, metavar="BYTES")] = 256 * 2**20
+    max_body_strings: Annotated[int, _flag(
+        "most JSON strings (object keys and string values, at any depth) in one request body, counted before "
+        "it is decoded; a body with more is answered 400. Only a body's top level is decoded (the rest passes "
+        "on as it came), ~150 bytes per field: this bounds what a body of millions of tiny fields costs",
+        ge=1, parse=positive_int)] = 65536
+    body_timeout: Annotated[Seconds, _flag(
+        "seconds a request body may go without a byte arriving; then the request is answered 408 and its "
+        "connection closed", parse=positive_float)] = 30.0
+    header_timeout: Annotated[Seconds, _flag(
+        "seconds a connection has to send a whole request head (request line and headers), from its opening "
+        "and from the first byte of each later request on it; then it is closed, unanswered",
+        parse=positive_float)] = 10.0
+    keepalive_timeout: Annotated[Seconds, _flag(
+        "seconds an idle keep-alive connection stays open between requests", parse=positive_float)] = 75.0
+    max_client_connections: Annotated[int, _flag(
+        "open connections per client address; one more is closed at once, unanswered. 0: no cap",
+        ge=0, parse=non_negative_int)] = 512
+    max_client_requests: Annotated[int, _flag(
+        "requests in flight per client address; one more is answered 429 (OpenAI-style error JSON, "
+        "Retry-After: 1). 0: no cap", ge=0, parse=non_negative_int)] = 256
+    metrics_host: Annotated[str, _flag("address of the --metrics-port listener")] = "127.0.0.1"
+    metrics_port: Annotated[Annotated[int, Meta(ge=0, le=MAX_PORT)] | None, _flag(
+        "serve /metrics, /health and /healthcheck on this port of --metrics-host instead of the main port, "
+        "which then answers them 404; 0 picks a free one (the log says which). Default: on the main port",
+        parse=port_or_zero, metavar="PORT")] = None
+    metrics_token_file: Annotated[str | None, _flag(
+        "a file holding a token that /metrics, /health and /healthcheck then require as "
+        "'Authorization: Bearer TOKEN' (401 without it). Default: open to whoever reaches their port",
+        metavar="PATH")] = None
     log_level: Annotated[Literal[LOG_LEVELS], _flag("proxy log level, in any case (debug or DEBUG)",
                                                     parse=log_level)] = "INFO"
     forward_kv_params: Annotated[tuple[str, ...], _flag(
-        "keys of the client's own kv_transfer_params to pass on to the prefill leg (e.g. kvc_fault for "
-        "TieredConnector's test hooks); none by default", parse=parse_key_list, format=",".join,
-        metavar="KEY[,KEY...]")] = ()
+        "keys of the client's own kv_transfer_params to pass on to the prefill leg; none by default. Keys that "
+        f"steer the transfer plane ({', '.join(TRANSFER_PLANE_KEYS)}, {TRANSFER_PLANE_PREFIX}*) are refused "
+        "unless --unlock-transfer-keys", parse=parse_key_list, format=",".join, metavar="KEY[,KEY...]")] = ()
+    unlock_transfer_keys: Annotated[bool, _flag(
+        "let --forward-kv-params name transfer-plane keys (e.g. kvc_fault, TieredConnector's test hooks): a "
+        "client could then choose where its KV is pushed, or corrupt its transfers. For tests and chaos runs "
+        "only")] = False
 
     def __post_init__(self) -> None:
         settings.check_fields(self)
@@ -110,6 +166,24 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
             dups = sorted({u for u in urls if urls.count(u) > 1})
             if dups:
                 raise ValueError(f"{flag} lists the same instance more than once: {dups}")
+        check_forwarded_keys(self.forward_kv_params, setting="--forward-kv-params",
+                             unlocked=self.unlock_transfer_keys, unlock="--unlock-transfer-keys is given")
+        if self.metrics_port and (self.metrics_host, self.metrics_port) == (self.host, self.port):
+            raise ValueError(f"--metrics-port {self.metrics_port} is --port: give the metrics a port of their own")
+        self.metrics_token()
+
+    def metrics_token(self) -> bytes | None:
+        """The token of --metrics-token-file (surrounding whitespace removed); None without the flag."""
+        path = self.metrics_token_file
+        if path is None:
+            return None
+        try:
+            token = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"--metrics-token-file {path}: cannot read it ({exc.strerror})") from None
+        if not token:
+            raise ValueError(f"--metrics-token-file {path}: the file holds no token")
+        return token
 
 
 def parse_url(value: str) -> str:

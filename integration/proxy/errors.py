@@ -47,6 +47,10 @@ def error_body(status: int, type_: str, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": None, "code": status}}
 
 
+def error_response(status: int, type_: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(error_body(status, type_, message), status=status, headers=headers)
+
+
 def upstream_failure(leg: Leg, url: str, status: int, body: bytes,
                      content_type: str = "") -> ProxyError | PassThrough | None:
     """What the proxy makes of a `leg` instance's answer: None for a status below 400 (not a

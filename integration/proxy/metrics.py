@@ -35,7 +35,11 @@ class ProxyMetrics:
         self.body_bytes = Gauge("kvproxy_inflight_body_bytes", "Request body bytes held by requests in flight "
                                 "(bounded by --max-inflight-body-bytes)", registry=r)
         self.body_refusals = Counter("kvproxy_body_refusals", "Requests refused by the body limits: body_too_large "
-                                     "(413) or body_budget_exhausted (503)", ["reason"], registry=r)
+                                     "(413), too_many_strings (400), body_budget_exhausted (503), body_timeout (408)",
+                                     ["reason"], registry=r)
+        self.client_refusals = Counter("kvproxy_client_refusals", "Connections and requests refused per client: "
+                                       "client_connections (closed at once), header_timeout (closed), "
+                                       "client_requests (429)", ["reason"], registry=r)
         self.retries = Counter("kvproxy_prefill_retries", "Prefill attempts retried on another instance",
                                registry=r)
         # labels() takes a lock and builds its key on every call: the per-request path looks its

@@ -8,7 +8,9 @@ decode leg gets the ticket the prefill returned, and no ticket is an error, not 
 Push mode (decode's transfer_mode "push"): the prefill leg also carries this decode replica's
 landing store as push_target. Like the proxy's --forward-kv-params, the decode config's
 `experimental_configs: {kvconnectors_forward_kv_params: [KEY, ...]}` lets those keys of the client's
-kv_transfer_params through to the prefill leg (none by default; our keys always win).
+kv_transfer_params through to the prefill leg (none by default; our keys always win); transfer-plane
+keys (push_target, transfer_mode, kvc*) also need `kvconnectors_unlock_transfer_keys: true`, for tests
+and chaos runs only (the proxy's rule: integration/proxy/config.py check_forwarded_keys).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorB
 
 from kvconnectors import serving
 from kvconnectors.errors import ConfigError
-from kvconnectors.integration.proxy import prefill_kv_params  # the prefill leg: as our proxy sends it
+from kvconnectors.integration.proxy import check_forwarded_keys, prefill_kv_params  # as our proxy does
 from kvconnectors.logs import get_logger
 from kvconnectors.ray import stores
 
@@ -29,14 +31,22 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-FORWARD_KV_PARAMS = "kvconnectors_forward_kv_params"  # key of LLMConfig.experimental_configs
+FORWARD_KV_PARAMS = "kvconnectors_forward_kv_params"  # keys of LLMConfig.experimental_configs
+UNLOCK_TRANSFER_KEYS = "kvconnectors_unlock_transfer_keys"
 
 
 def forwarded_keys(experimental: Any) -> tuple[str, ...]:
-    """The client kv_transfer_params keys an operator lets through (experimental_configs)."""
-    keys = (experimental or {}).get(FORWARD_KV_PARAMS, ())
+    """The client kv_transfer_params keys an operator lets through (experimental_configs); transfer-plane
+    keys only with the unlock key set to true."""
+    experimental = experimental or {}
+    keys = experimental.get(FORWARD_KV_PARAMS, ())
     if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) and k for k in keys):
         raise ConfigError(f"experimental_configs.{FORWARD_KV_PARAMS}", keys, "must be a list of key names")
+    unlocked = experimental.get(UNLOCK_TRANSFER_KEYS, False)
+    if not isinstance(unlocked, bool):
+        raise ConfigError(f"experimental_configs.{UNLOCK_TRANSFER_KEYS}", unlocked, "must be true or false")
+    check_forwarded_keys(keys, setting=f"experimental_configs.{FORWARD_KV_PARAMS}", unlocked=unlocked,
+                         unlock=f"experimental_configs.{UNLOCK_TRANSFER_KEYS} is true")
     return tuple(keys)
 
 

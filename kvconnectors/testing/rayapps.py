@@ -44,7 +44,7 @@ def app_config(model: str, *, http_host: str, http_port: int, prefill_store_port
     extra_of("prefill_config")["store_port"] = prefill_store_port
     decode = args["decode_config"]
     decode["deployment_config"]["num_replicas"] = decode_replicas
-    decode["experimental_configs"] = {"kvconnectors_forward_kv_params": ["kvc_fault"]}
+    decode["experimental_configs"] = {"kvconnectors_forward_kv_params": ["kvc_fault"], "kvconnectors_unlock_transfer_keys": True}
     if push:
         extra_of("decode_config").update(transfer_mode="push", store_port=decode_store_port)
     return cfg

@@ -32,7 +32,7 @@ MAX_TOKENS = 8
 CONTROL_LENGTHS = control_lengths(BLOCK)
 PLACEMENT = {"prefill": "pre", "decode": "dec", "proxy": "cli"}
 LINK = "400mbit"   # prefill -> anyone
-FORWARD_FAULT = ["--forward-kv-params", "kvc_fault"]
+FORWARD_FAULT = ["--forward-kv-params", "kvc_fault", "--unlock-transfer-keys"]
 
 
 @pytest.fixture(scope="module")

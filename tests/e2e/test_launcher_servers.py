@@ -65,7 +65,7 @@ def test_serve_pd_serves_and_shuts_down_cleanly(tiny_model, colocated, connector
     port = free_port()
     hooks = connector == "TieredConnector"
     extra = ["--kv-transfer-config-extra", '{"kv_connector_extra_config": {"test_hooks": true}}',
-             "--proxy-args=--forward-kv-params kvc_fault"] if hooks else []
+             "--proxy-args=--forward-kv-params kvc_fault --unlock-transfer-keys"] if hooks else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvconnectors.cli", "serve-pd", "--model", tiny_model, "--prefill", "1",
          "--decode", "1", "--connector", connector, "--proxy-port", str(port), "--served-model-name", tag,

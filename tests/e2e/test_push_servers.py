@@ -101,7 +101,7 @@ def test_push_servers_equal_colocated(deep_model, prompts, control_prompts, colo
                      nvme_create_dirs=True)
     n = len(prompts)
     with PDCluster(deep_model, transport=transport, mode="push", kv_extra={"kv_connector_extra_config": extra},
-                   vllm_args=vllm_args, proxy_args=["--forward-kv-params", "kvc_fault"],
+                   vllm_args=vllm_args, proxy_args=["--forward-kv-params", "kvc_fault", "--unlock-transfer-keys"],
                    log_dir=tmp_path / "logs") as pd:
         assert_same_tokens(colocated[:n], run_workload(pd, prompts))
         statuses = stores_empty(pd)

@@ -61,7 +61,7 @@ def colocated(tiny_model, prompts) -> dict[str, list[list[int]]]:
 @pytest.fixture(scope="module")
 def pd(tiny_model, tmp_path_factory):
     """One pair for the soak and its control."""
-    with PDCluster(tiny_model, kv_extra=KV, proxy_args=["--forward-kv-params", "kvc_fault"],
+    with PDCluster(tiny_model, kv_extra=KV, proxy_args=["--forward-kv-params", "kvc_fault", "--unlock-transfer-keys"],
                    log_dir=tmp_path_factory.mktemp("soak")) as cluster:
         yield cluster
 

@@ -39,7 +39,7 @@ CONCURRENCY = 8
 CONTROL_LENGTHS = control_lengths(BLOCK)
 # Per-request corruption (test hooks) beside clean requests: the proxy passes kvc_fault on.
 TEST_HOOKS = {"kv_connector_extra_config": {"test_hooks": True}}
-FORWARD_FAULT = ["--forward-kv-params", "kvc_fault"]
+FORWARD_FAULT = ["--forward-kv-params", "kvc_fault", "--unlock-transfer-keys"]
 IDLE_S = 10.0
 IDLE_TOLERANCE_CORES = 0.05
 

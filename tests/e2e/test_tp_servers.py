@@ -50,7 +50,7 @@ KILL_LENGTH = 600   # 19 blocks: the only prompt whose reads are held (HELD_MIN_
 HELD_MIN_BLOCKS = 15
 KV = {"kv_connector_extra_config": {"test_hooks": True, "fault_injection": [
     {"action": "delay", "delay_s": 8, "min_blocks": HELD_MIN_BLOCKS}]}}
-FORWARD_FAULT = ["--forward-kv-params", "kvc_fault"]
+FORWARD_FAULT = ["--forward-kv-params", "kvc_fault", "--unlock-transfer-keys"]
 
 
 @pytest.fixture(scope="module")

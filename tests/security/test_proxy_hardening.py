@@ -65,7 +65,6 @@ async def metrics_text(session: aiohttp.ClientSession, url: str) -> str:
 # ------------------------------------------------------------------------------ 1. declared lengths
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 3: the proxy under slow and hostile clients")
 def test_idle_sockets_declaring_large_bodies_do_not_starve_legitimate_requests():
     """Four sockets declare 64 MiB bodies (the whole 256 MiB budget) and send no byte of them.
     Before the fix the budget was charged on the declared length: every legitimate request was a
@@ -104,7 +103,6 @@ def test_idle_sockets_declaring_large_bodies_do_not_starve_legitimate_requests()
 # ------------------------------------------------------------------------------ 2. unfinished heads
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 3: the proxy under slow and hostile clients")
 def test_unfinished_request_heads_are_closed_after_the_header_timeout(many_files):
     header_s, cap, n = 1.0, 32, 300
 
@@ -154,7 +152,6 @@ def test_unfinished_request_heads_are_closed_after_the_header_timeout(many_files
 # ------------------------------------------------------------------------------ 3. stalled bodies
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 3: the proxy under slow and hostile clients")
 def test_a_stalled_body_is_answered_408_and_closed_after_the_body_timeout():
     body_s = 1.0
 
@@ -185,7 +182,6 @@ def test_a_stalled_body_is_answered_408_and_closed_after_the_body_timeout():
     run(go())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 3: the proxy under slow and hostile clients")
 def test_an_idle_keep_alive_connection_lasts_the_keepalive_timeout_not_the_header_timeout():
     header_s, keepalive_s = 1.0, 2.5
 
@@ -210,7 +206,6 @@ def test_an_idle_keep_alive_connection_lasts_the_keepalive_timeout_not_the_heade
 # ------------------------------------------------------------------------------ 4. per-client caps
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 3: the proxy under slow and hostile clients")
 def test_per_client_connection_and_request_caps():
     async def go():
         async with InProcess(max_client_connections=4, max_client_requests=2) as h:
@@ -271,7 +266,6 @@ def amplifying_bodies(size: int) -> dict[str, bytes]:
             "fields": b"{" + fields[:size - 64].rpartition(b",")[0] + b"}"}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 3: the proxy under slow and hostile clients")
 def test_json_amplification_is_bounded():
     """Bodies of 16 MiB whose decoded form is 10-25 times that, three of each at once, against a
     proxy process with a 32 MiB in-flight budget: its RSS grows by at most 4 x 32 MiB. (Before the
@@ -319,7 +313,6 @@ def test_json_amplification_is_bounded():
 # ------------------------------------------------------------------------------ 6. monitoring endpoints
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 3: the proxy under slow and hostile clients")
 def test_metrics_and_health_on_their_own_bind():
     async def go():
         async with InProcess(metrics_port=0) as h:
@@ -338,7 +331,6 @@ def test_metrics_and_health_on_their_own_bind():
     run(go())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 3: the proxy under slow and hostile clients")
 def test_metrics_and_health_behind_a_token(tmp_path):
     token = "s3cret-metrics-token"
     path = tmp_path / "token"
@@ -369,7 +361,6 @@ def test_metrics_and_health_behind_a_token(tmp_path):
 # ------------------------------------------------------------------------------ 7. transfer-plane keys
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 row 3: the proxy under slow and hostile clients")
 @pytest.mark.parametrize("key", ["push_target", "transfer_mode", "kvc_fault", "kvc"])
 def test_transfer_plane_keys_are_refused_unless_unlocked(key, capsys):
     specs = {"prefill": [P.InstanceSpec("http://127.0.0.1:1")], "decode": [P.InstanceSpec("http://127.0.0.1:1")]}

@@ -242,15 +242,18 @@ def test_every_proxy_setting_has_its_flag_default_and_help() -> None:
 
 
 def test_the_flags_are_the_ones_of_before() -> None:
-    """Every flag name of the hand-written parser this replaced, with the cli_types types, and the
-    body limits added since (issue 16)."""
+    """Every flag name of the hand-written parser this replaced, with the cli_types types, the
+    body limits added since (issue 16), and the slow/hostile-client limits (issue 34)."""
     from kvconnectors import cli_types
 
     actions = {a.option_strings[0]: a for a in _proxy_parser()._actions if a.option_strings}
     assert set(actions) == {"-h", "--prefill", "--decode", "--host", "--port", "--mode", "--connect-timeout",
                             "--prefill-timeout", "--decode-timeout", "--decode-idle-timeout", "--prefill-retries",
                             "--health-interval", "--health-timeout", "--unhealthy-after", "--max-connections",
-                            "--log-level", "--forward-kv-params", "--max-body-bytes", "--max-inflight-body-bytes"}
+                            "--log-level", "--forward-kv-params", "--max-body-bytes", "--max-inflight-body-bytes",
+                            "--max-body-strings", "--body-timeout", "--header-timeout", "--keepalive-timeout",
+                            "--max-client-connections", "--max-client-requests", "--metrics-host", "--metrics-port",
+                            "--metrics-token-file", "--unlock-transfer-keys"}
     assert actions["--port"].type is cli_types.port_or_zero and actions["--log-level"].type is cli_types.log_level
     assert actions["--prefill-retries"].type is cli_types.non_negative_int
     assert actions["--log-level"].choices == cli_types.LOG_LEVELS and actions["--mode"].choices == ("pull", "push")

@@ -325,7 +325,9 @@ def test_push_mode_per_request_header():
 
 def test_only_forwarded_kv_params_keys_reach_the_prefill_and_ours_win():
     """A client's kv_transfer_params steer the transfer plane only through the keys the operator
-    lists in --forward-kv-params; the proxy's own keys (the P/D roles, the push target) always win."""
+    lists in --forward-kv-params; the proxy's own keys (the P/D roles, the push target) always win.
+    (kvc_fault and push_target steer the transfer plane: forwarding them needs --unlock-transfer-keys,
+    tests/security/test_proxy_hardening.py.)"""
     client = {"kvc_fault": "corrupt", "do_remote_decode": False, "push_target": "10.9.9.9:1", "other": 1}
     body = dict(COMPLETION, kv_transfer_params=client)
 
@@ -333,7 +335,7 @@ def test_only_forwarded_kv_params_keys_reach_the_prefill_and_ours_win():
         for forward, mode, want in (((), "pull", {}), (("kvc_fault",), "pull", {"kvc_fault": "corrupt"}),
                                     (("kvc_fault", "do_remote_decode", "push_target"), "push",
                                      {"kvc_fault": "corrupt", "transfer_mode": "push", "push_target": "127.0.0.1:9000"})):
-            async with Harness(kv=True, mode=mode, forward_kv_params=forward) as h:
+            async with Harness(kv=True, mode=mode, forward_kv_params=forward, unlock_transfer_keys=True) as h:
                 status, _, data = await h.post("/v1/completions", body)
                 assert status == 200, data
                 kv = h.prefill[0].requests[0]["body"]["kv_transfer_params"]

@@ -173,7 +173,8 @@ def test_named_client_kv_params_reach_the_prefill_and_ours_win(caplog):
     from kvconnectors.integration.proxy import PREFILL_KV_PARAMS
 
     raw = serve_args()["decode_config"]
-    raw["experimental_configs"] = {kbackend.FORWARD_KV_PARAMS: ["kvc_fault", "do_remote_decode"]}
+    raw["experimental_configs"] = {kbackend.FORWARD_KV_PARAMS: ["kvc_fault", "do_remote_decode"],
+                                   kbackend.UNLOCK_TRANSFER_KEYS: True}  # kvc_fault: a transfer-plane key
     cfg = LLMConfig.model_validate(raw)
     cfg.setup_engine_backend()
     request = completion(kv_transfer_params={"kvc_fault": "corrupt", "do_remote_decode": False, "push_target": "x"})
