@@ -18,6 +18,7 @@ from kvconnectors.serving import VllmServer, complete, free_port, post_json, sto
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.engines import generate_ids, llm_engine
+from kvconnectors.testing.metrics import failures_by_cause
 from kvconnectors.testing.prompts import token_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -51,7 +52,7 @@ def colocated(references, prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def pd(tiny_model, tmp_path_factory):
-    with PDCluster(tiny_model, proxy_args=[*PROXY_FAST, "--forward-kv-params", "kvc_fault"],
+    with PDCluster(tiny_model, proxy_args=[*PROXY_FAST, "--forward-kv-params", "kvc_fault", "--unlock-transfer-keys"],
                    kv_extra={"kv_connector_extra_config": {"test_hooks": True}},
                    log_dir=tmp_path_factory.mktemp("pd")) as cluster:
         yield cluster
@@ -142,6 +143,54 @@ def test_client_disconnect_mid_stream_frees_both_instances(pd) -> None:
     assert asyncio.run(leave_early()) >= 5
     assert wait_until(lambda: idle(pd.decode[0]) and idle(pd.prefill[0])), (
         "the abandoned request is still running on an instance")
+
+
+def _idle_sockets(host: str, port: int, sources: list[tuple[str, int]]) -> list:
+    """Connections to a store server from each (source address, count), each sending a valid Hello
+    and then nothing (issue 34's flood); the caller closes them."""
+    import socket
+
+    import msgspec
+
+    from kvconnectors.transport import wire
+
+    payload = msgspec.msgpack.encode(wire.Hello(version=wire.PROTOCOL_VERSION, compat_hash=wire.compat_hash("tiered"),
+                                                peer="flood", nonce=os.urandom(32)))
+    hello = len(payload).to_bytes(4, "big") + payload
+    made = []
+    for source, n in sources:
+        for _ in range(n):
+            s = socket.socket()
+            made.append(s)
+            try:
+                s.bind((source, 0))
+                s.settimeout(5)
+                s.connect((host, port))
+                s.sendall(hello)
+            except OSError:
+                pass  # refused or reset over a cap: as meant
+    return made
+
+
+def test_a_flood_of_idle_sessions_from_the_decodes_own_address_and_others_does_not_fail_pulls(
+        pd, prompts, colocated) -> None:
+    """Issue 34, row 5, on the live pair: 400 sessions that never send a request from 127.0.0.1 (the
+    decode's own address) and 80 from each of 127.0.0.2-6 sit on the prefill's store port (no secret:
+    a Hello admits them). Every pull still gets a connection (the idle ones make room: before, the
+    decode's own address was over its cap and a pull failed peer_unreachable), and the outputs stay
+    identical to colocated."""
+    host, port = pd.plans[0].kv_addr.rsplit(":", 1)
+    failed_before = dict(failures_by_cause(pd.decode[0]))
+    flood = _idle_sockets(host, int(port), [("127.0.0.1", 400)] + [(f"127.0.0.{i}", 80) for i in range(2, 7)])
+    try:
+        name = pd.prefill[0].served_model_name
+        outs = [complete(pd.proxy_url, p, model=name, max_tokens=MAX_TOKENS)["choices"][0]["token_ids"]
+                for p in prompts + prompts]
+        assert_same_tokens(colocated + colocated, outs, "P/D output under the flood")
+        assert dict(failures_by_cause(pd.decode[0])) == failed_before, "a pull failed (recomputed) under the flood"
+    finally:
+        for s in flood:
+            s.close()
 
 
 def _kill(server: VllmServer) -> None:
