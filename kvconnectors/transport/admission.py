@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvconnectors.transport.exposure import numeric_address
+
 
 @dataclass(eq=False)
 class Seat:
@@ -141,13 +143,8 @@ class Admission:
 
 
 def _ip(addr: tuple) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        ip = ipaddress.ip_address(str(addr[0]).split("%", 1)[0])
-    except (ValueError, IndexError):
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
+    """A peer's address as accept() gave it (an IPv4-mapped IPv6 address: its IPv4 address)."""
+    return numeric_address(str(addr[0])) if addr else None
 
 
 def peer_key(addr: tuple) -> str:
