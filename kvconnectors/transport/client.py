@@ -26,9 +26,10 @@ class _Older(Exception):
         self.version = version
 
 
-class _ResetBeforeWelcome(Exception):
-    """The server closed or reset the connection before its Welcome: nothing was done on it (a
-    server over its caps closes a connection at once), so connecting again is always safe."""
+class _ResetInHandshake(Exception):
+    """The server closed or reset the connection before it admitted us (its Welcome, or the Ack of
+    our proof): nothing was done on it (a server over its caps closes a connection at once, or
+    before its last answer), so connecting again is always safe."""
 
     def __init__(self, error: TransferError):
         self.error = error
@@ -70,7 +71,7 @@ class StoreClient:
                 self._connect(host, port, deadline)
                 self._handshake(version, hashes[version], secret, peer_name, deadline)
                 return
-            except _ResetBeforeWelcome as reset:
+            except _ResetInHandshake as reset:
                 self.close()
                 if resets == len(RESET_RETRY_S) or time.monotonic() + RESET_RETRY_S[resets] >= deadline:
                     raise reset.error from None
@@ -100,7 +101,7 @@ class StoreClient:
             error = TransferError(FailureCause.PEER_UNREACHABLE,
                                   f"cannot connect to producer {self.address}: {exc.strerror or exc}")
             if isinstance(exc, ConnectionResetError):  # accepted, then reset over a cap before we ran
-                raise _ResetBeforeWelcome(error) from None
+                raise _ResetInHandshake(error) from None
             raise error from None
 
     @property
@@ -116,7 +117,7 @@ class StoreClient:
             welcome = self._expect(wire.Welcome, deadline)
         except TransferError as exc:
             if exc.cause is FailureCause.PEER_UNREACHABLE and time.monotonic() < deadline:
-                raise _ResetBeforeWelcome(exc) from None  # closed or reset unanswered, not timed out
+                raise _ResetInHandshake(exc) from None  # closed or reset unanswered, not timed out
             raise
         if not welcome.ok:
             if wire.PROTECTION_MISMATCH in welcome.error:
@@ -157,8 +158,13 @@ class StoreClient:
             raise TransferError(FailureCause.AUTH, (
                 f"producer {self.address} did not prove the shared secret (another secret, or not the "
                 "producer); nothing was proved to it"))
-        self._send(wire.Proof(mac=auth.prove_role(matched, auth.ROLE_CLIENT, th)))  # the secret it proved
-        ack = self._expect(wire.Ack, deadline)
+        try:
+            self._send(wire.Proof(mac=auth.prove_role(matched, auth.ROLE_CLIENT, th)))  # the secret it proved
+            ack = self._expect(wire.Ack, deadline)
+        except TransferError as exc:
+            if exc.cause is FailureCause.PEER_UNREACHABLE and time.monotonic() < deadline:
+                raise _ResetInHandshake(exc) from None  # closed before it admitted us: not a refusal
+            raise
         if not ack.ok:
             raise TransferError(FailureCause.AUTH, f"producer {self.address}: {ack.message}")
         key = auth.session_key(matched, th)

@@ -590,15 +590,17 @@ class Landing:
         return rec
 
     def _keep_token(self, tid: str, token: str) -> None:
-        """Bind `tid` to `token` (bounded: beyond MAX_FAILURES, tokens of entries that ended go first;
-        a live entry that loses its token answers nobody on the wire, never anybody)."""
+        """Bind `tid` to `token`. Bounded: beyond MAX_FAILURES, the tokens of entries that ended go
+        first, down to 3/4 of it, then the oldest (a live entry whose token is forgotten answers
+        nobody on the wire: the store server refuses a landed entry it knows no token for)."""
         self._tokens[tid] = token
-        if len(self._tokens) > MAX_FAILURES:
-            live = set(self.store.keys())
-            for old in [t for t in self._tokens if t not in live][:len(self._tokens) - MAX_FAILURES]:
-                del self._tokens[old]
-            while len(self._tokens) > MAX_FAILURES:
-                self._tokens.popitem(last=False)
+        if len(self._tokens) <= MAX_FAILURES:
+            return
+        live, target = set(self.store.keys()), MAX_FAILURES * 3 // 4
+        for ended in [t for t in self._tokens if t not in live][:len(self._tokens) - target]:
+            del self._tokens[ended]
+        while len(self._tokens) > MAX_FAILURES:
+            self._tokens.popitem(last=False)
 
     def _prune_locked(self) -> None:
         """Forget in-flight records whose store entry ended without a word from its producer (its

@@ -37,7 +37,6 @@ keeps serving the others.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import socket
 import struct
 import threading
@@ -261,6 +260,8 @@ class StoreServer:
             want = self._grants.get(transfer_id)
         if want is None and self.landing is not None:
             want = self.landing.token_of(transfer_id)  # a pushed entry: its pushes' token ("": none)
+            if want is None and self.store.contains(transfer_id):
+                return False  # landed, its token no longer known (forgotten, or going): it answers nobody
         if want is None:
             return not self.require_grants
         return bool(token) and hmac.compare_digest(want.encode(), token.encode())
@@ -312,15 +313,13 @@ class StoreServer:
         conn = ConnectionState(_peer(sock))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = self._handshake(sock, (accepted_at or time.monotonic()) + self.handshake_timeout_s)
+            session = self._handshake(sock, (accepted_at or time.monotonic()) + self.handshake_timeout_s, seat)
             if session is None:
-                return
+                return  # refused, or closed to make room before it was admitted
             # landing.py binds the transfers a connection creates to conn.owner: the session's id (from
             # the authenticated transcript under a secret, else random; unique per connection either way)
             conn.session = session
             conn.owner = ("session", session.id)
-            if not self.admission.handshake_done(seat, session.authenticated):
-                return  # closed meanwhile to make room
             io = self._seal(sock, session) if session.protection == wire.AEAD else sock
             while True:
                 try:
@@ -376,9 +375,10 @@ class StoreServer:
         except OSError:
             pass
 
-    def _handshake(self, sock: socket.socket, deadline: float) -> Session | None:
-        """The peer's session once it is admitted; None when refused. `deadline` bounds every step
-        together."""
+    def _handshake(self, sock: socket.socket, deadline: float, seat: Seat | None = None) -> Session | None:
+        """The peer's session once it is admitted; None when refused, or when its `seat` was given to
+        another connection before the last answer (which is then not sent: the peer sees the close
+        before anything was done, and may connect again). `deadline` bounds every step together."""
         peer = _peer(sock)
         try:
             hello = wire.recv_msg(sock, deadline=deadline)
@@ -411,6 +411,8 @@ class StoreServer:
                 "and admits previous-version peers only in a pool without one (upgrade the peer)"))
             return None
         if hello.version < 4:
+            if not self._seated(seat, authenticated=False):
+                return None
             wire.send_msg(sock, wire.Welcome(ok=True))
             return Session(id=auth.session_id(None), version=hello.version, authenticated=False, mutual=False,
                            peer=peer, peer_name=hello.peer)
@@ -425,6 +427,8 @@ class StoreServer:
             self._welcome_refusal(sock, wire.protection_mismatch(self.protection, hello.protection))
             return None
         if self.secret is None:
+            if not self._seated(seat, authenticated=False):
+                return None
             wire.send_msg(sock, wire.Welcome(ok=True))
             return Session(id=auth.session_id(None), version=hello.version, authenticated=False, mutual=False,
                            peer=peer, peer_name=hello.peer)
@@ -442,9 +446,17 @@ class StoreServer:
         if matched is None:
             self._auth_failed(sock, peer, proof)
             return None
+        if not self._seated(seat, authenticated=True):
+            return None
         wire.send_msg(sock, wire.Ack(ok=True))
         return Session(id=auth.session_id(th), version=hello.version, authenticated=True, mutual=True, peer=peer,
                        peer_name=hello.peer, key=auth.session_key(matched, th), protection=self.protection)
+
+    def _seated(self, seat: Seat | None, authenticated: bool) -> bool:
+        """The connection leaves the handshake budget before its last answer: from then on only an
+        idle connection may be closed to make room, never a half-admitted one. False: it was already
+        closed to make room."""
+        return seat is None or self.admission.handshake_done(seat, authenticated)
 
     def _welcome_refusal(self, sock: socket.socket, error: str) -> None:
         try:

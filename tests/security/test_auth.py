@@ -44,7 +44,7 @@ def test_both_ends_agree_on_the_session(make_server) -> None:
     srv = make_server(secret=SECRET)
     seen = []
     real = srv._handshake
-    srv._handshake = lambda sock, deadline: seen.append(real(sock, deadline)) or seen[-1]
+    srv._handshake = lambda sock, deadline, *seat: seen.append(real(sock, deadline, *seat)) or seen[-1]
     with StoreClient("127.0.0.1", srv.port, compat=COMPAT, secret=SECRET, peer_name="decode-0") as c:
         c.status(time.monotonic() + 5)
         mine = c.session
@@ -91,7 +91,7 @@ def test_a_rotation_keeps_neighbouring_steps_talking_and_both_sides_agree_on_the
         srv = make_server(secret=steps[s_i])
         seen = []
         real = srv._handshake
-        srv._handshake = lambda sock, deadline, real=real: seen.append(real(sock, deadline)) or seen[-1]
+        srv._handshake = lambda sock, deadline, *seat, real=real: seen.append(real(sock, deadline, *seat)) or seen[-1]
         with StoreClient("127.0.0.1", srv.port, compat=COMPAT, secret=steps[c_i]) as c:
             assert c.status(time.monotonic() + 5).entries == 0, (s_i, c_i)
             assert c.session.key == seen[0].key and c.session.mutual, (s_i, c_i)

@@ -349,3 +349,23 @@ def test_a_connection_reset_before_the_handshake_is_retried_within_the_deadline(
     srv._admit = admit
     assert _read_once(srv.port, SECRET, "victim") < READ_DEADLINE_S
     assert len(resets) == 2
+
+
+def test_a_connection_closed_to_make_room_before_its_ack_is_retried_and_never_half_admitted(make_server) -> None:
+    """Issue 34, row 5: a connection may lose its seat to a flood at any point of its handshake. The
+    server gives its seat up before its last answer (never after the Ack: a peer told "admitted" must
+    be served), and the consumer connects again after a close before that answer. Here the first
+    connection's seat is taken just as its proof checks out."""
+    srv = make_server(secret=SECRET)
+    stage(srv.store, "victim")
+    real, lost = srv.admission.handshake_done, []
+
+    def handshake_done(seat, authenticated):
+        if not lost:
+            lost.append(seat)
+            return False  # as if evicted at this instant
+        return real(seat, authenticated)
+
+    srv.admission.handshake_done = handshake_done
+    assert _read_once(srv.port, SECRET, "victim") < READ_DEADLINE_S
+    assert len(lost) == 1

@@ -141,3 +141,15 @@ def test_an_entry_landed_without_a_token_answers_nobody_on_the_wire(srv) -> None
     for c in (stranger, owner):
         _refused_everything(c, "N", "")
     assert np.array_equal(srv.landed("N", BLOCKS), data)
+
+
+def test_a_landed_entry_whose_token_was_forgotten_answers_nobody(srv) -> None:
+    """The landing side's token table is bounded (and drops a token just before its entry goes): a
+    live landed entry it no longer knows a token for must answer nobody, never anybody."""
+    owner, stranger = srv.client(), srv.client()
+    _push_all_with(owner, "F", LANDED_TOKEN, seed=13)
+    with srv.landing._cond:
+        srv.landing._tokens.pop("F")
+    for token in ("", LANDED_TOKEN):
+        _refused_everything(stranger, "F", token)
+    assert srv.store.contains("F")
