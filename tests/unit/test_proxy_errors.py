@@ -78,3 +78,34 @@ def test_every_decode_cause_is_its_own_label(cause):
     failure = upstream_failure("decode", URL, 500, _with_cause(cause.value), "application/json")
     assert isinstance(failure, ProxyError) and failure.reason == f"kv_{cause.value}"
     assert failure.type == "kv_transfer_error"
+
+
+def _strings(value) -> int:
+    """JSON strings in a decoded value: its keys and string values at any depth."""
+    if isinstance(value, str):
+        return 1
+    if isinstance(value, dict):
+        return sum(1 + _strings(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_strings(v) for v in value)
+    return 0
+
+
+def test_json_strings_counts_json_in_json_exactly_when_it_matters() -> None:
+    """--max-body-strings counts strings before decoding. Runs of backslashes (JSON in JSON: tool
+    calls, agent transcripts) must not be taken for strings: a body of 2 strings whose text holds
+    thousands of escaped quotes behind escaped backslashes is under a limit of 16 (the first count
+    took each run for half a string: 6,002 here). Control: a body of that many real strings is over."""
+    import json
+
+    from kvconnectors.integration.proxy.jsonbody import json_strings
+
+    inner = json.dumps({"args": json.dumps({"q": 'say "hi"' * 1000})})  # quotes behind 3 backslashes
+    body = json.dumps({"prompt": inner}).encode()
+    assert _strings(json.loads(body)) == 2
+    assert json_strings(body, 16) == 2
+    many = json.dumps({"prompt": [f"s{i}" for i in range(40)]}).encode()
+    assert json_strings(many, 16) == 41 == _strings(json.loads(many))
+    for text in ('a\\\\"b', '\\"', '\\\\\\"', "plain"):  # runs of 1-4 backslashes before a quote, as text
+        doc = json.dumps({"k": text, "l": [text, {"m": text}]}).encode()
+        assert json_strings(doc, 0) == _strings(json.loads(doc)), text
