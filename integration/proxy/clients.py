@@ -19,15 +19,18 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from kvconnectors.transport.admission import peer_key
+
 from .errors import error_response
+from .limits import RETRY_AFTER_S
 from .metrics import ProxyMetrics
 
-RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
-def client_address(transport: asyncio.BaseTransport) -> str:
-    peer = transport.get_extra_info("peername")
-    return str(peer[0]) if isinstance(peer, (tuple, list)) else str(peer or "")
+def client_address(peer: object) -> str:
+    """What the per-client caps count by: the IPv4 address, or an IPv6 client's /64 (a host holds a
+    whole /64: counted by address, it would have endless fresh ones), as the store server counts."""
+    return peer_key(peer) if isinstance(peer, (tuple, list)) else str(peer or "")
 
 
 class ClientGuard:
@@ -57,7 +60,7 @@ class ClientGuard:
         if conn is not None:
             conn.busy = True  # a whole head arrived: its timer stops until the next request's first byte
             conn.disarm()
-        client = request.remote or ""
+        client = client_address(request.transport.get_extra_info("peername") if request.transport else None)
         try:
             if self.max_requests and self.requests[client] >= self.max_requests:
                 self.refused("client_requests")
@@ -95,16 +98,16 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         g = self.guard
-        client = client_address(transport)
+        client = client_address(transport.get_extra_info("peername"))
         if g.max_connections and g.connections[client] >= g.max_connections:
             g.refused("client_connections")
             transport.abort()
             return
-        self.transport, self.client = transport, client
-        g.connections[client] += 1
-        self.handler = self.server()
-        g._by_handler[self.handler] = self
-        self.handler.connection_made(transport)
+        handler = self.server()
+        handler.connection_made(transport)
+        self.transport, self.client, self.handler = transport, client, handler
+        g.connections[client] += 1  # counted once the handler stands: connection_lost uncounts it
+        g._by_handler[handler] = self
         self.arm()
 
     def data_received(self, data: bytes) -> None:

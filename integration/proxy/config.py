@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
@@ -173,17 +172,19 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         self.metrics_token()
 
     def metrics_token(self) -> bytes | None:
-        """The token of --metrics-token-file (surrounding whitespace removed); None without the flag."""
-        path = self.metrics_token_file
-        if path is None:
+        """The token of --metrics-token-file; None without the flag. Read with the checks of the shared
+        secret's file (transport/auth.py: owner-only, in a directory others cannot write, 16+ bytes of 8+
+        distinct values): whoever may read or replace it reads the metrics."""
+        if self.metrics_token_file is None:
             return None
+        from kvconnectors.errors import ConfigError
+        from kvconnectors.transport.auth import load_secret
+
         try:
-            token = Path(path).read_bytes().strip()
-        except OSError as exc:
-            raise ValueError(f"--metrics-token-file {path}: cannot read it ({exc.strerror})") from None
-        if not token:
-            raise ValueError(f"--metrics-token-file {path}: the file holds no token")
-        return token
+            token = load_secret(self.metrics_token_file)
+        except ConfigError as exc:
+            raise ValueError(f"--metrics-token-file {self.metrics_token_file}: {exc.why}") from None
+        return bytes(token) if token is not None else None
 
 
 def parse_url(value: str) -> str:

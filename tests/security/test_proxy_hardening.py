@@ -335,6 +335,11 @@ def test_metrics_and_health_behind_a_token(tmp_path):
     token = "s3cret-metrics-token"
     path = tmp_path / "token"
     path.write_text(token + "\n")
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="--metrics-token-file .*readable by every user"):
+        P.ProxyConfig(prefill=[P.InstanceSpec("http://127.0.0.1:1")], decode=[P.InstanceSpec("http://127.0.0.1:2")],
+                      metrics_token_file=str(path)).validate()  # the shared secret file's checks
+    path.chmod(0o600)
 
     async def go():
         async with InProcess(metrics_token_file=str(path)) as h:
@@ -383,3 +388,14 @@ def test_transfer_plane_keys_are_refused_unless_unlocked(key, capsys):
     assert backend.UNLOCK_TRANSFER_KEYS in message, message
     assert backend.forwarded_keys({backend.FORWARD_KV_PARAMS: [key], backend.UNLOCK_TRANSFER_KEYS: True}) == (key,)
     assert backend.forwarded_keys({backend.FORWARD_KV_PARAMS: ["priority_hint"]}) == ("priority_hint",)
+
+
+def test_per_client_caps_count_an_ipv6_client_by_its_64() -> None:
+    """Review follow-up: a host holds a whole IPv6 /64; counted by address, it would have endless
+    fresh ones to get past the per-client caps. Counted as the store server counts."""
+    from kvconnectors.integration.proxy.clients import client_address
+
+    assert client_address(("2001:db8:1:2::5", 1, 0, 0)) == client_address(("2001:db8:1:2:ffff::9", 2, 0, 0))
+    assert client_address(("2001:db8:1:3::5", 1, 0, 0)) != client_address(("2001:db8:1:2::5", 1, 0, 0))
+    assert client_address(("::ffff:10.1.2.3", 1, 0, 0)) == client_address(("10.1.2.3", 5)) == "10.1.2.3"
+    assert client_address(None) == ""
