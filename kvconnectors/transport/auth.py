@@ -209,8 +209,13 @@ def check_secret_path(secret_file: str, st: os.stat_result) -> None:
     on its real path, and the directory of the name as given (a symlink there could be repointed),
     must not be writable by group or others, unless sticky (others cannot rename or remove what is
     not theirs: /tmp, a Kubernetes secret volume's 1777 root) and the entry in it is ours or root's.
-    `st`: the fstat of the file that was opened."""
+    `st`: the fstat of the file that was opened. The file and each of those directories must also be
+    this user's or root's: their owner may rewrite or replace them whatever their mode."""
     trusted = (os.geteuid(), 0)
+    if st.st_uid not in trusted:
+        raise ConfigError("secret_file", secret_file, (
+            f"belongs to uid {st.st_uid}, who may rewrite it whatever its mode; a secret file must be this "
+            f"process's user's (uid {os.geteuid()}) or root's"))
     given = os.path.abspath(secret_file)
     real = os.path.realpath(given)
     checks: list[tuple[str, str]] = [(os.path.dirname(given), given)]  # (directory, entry in it)
@@ -227,6 +232,10 @@ def check_secret_path(secret_file: str, st: os.stat_result) -> None:
             est = os.lstat(entry)
         except OSError:
             continue  # gone meanwhile: the open above decided
+        if dst.st_uid not in trusted:
+            raise ConfigError("secret_file", secret_file, (
+                f"lies in directory {directory}, which belongs to uid {dst.st_uid}: its owner could replace the "
+                f"secret. Keep the file in a directory of this user's (uid {os.geteuid()}) or root's"))
         if not dst.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             continue
         if dst.st_mode & stat.S_ISVTX and est.st_uid in trusted:

@@ -224,6 +224,30 @@ def test_a_secret_file_in_a_directory_others_may_write_is_refused(tmp_path) -> N
     assert load_secret(str(mount / "secret")) == STRONG
 
 
+def test_a_secret_file_or_directory_of_another_user_is_refused(tmp_path) -> None:
+    """Review follow-up: an owner may rewrite or replace what is theirs whatever its mode, so a
+    secret file of another user (0640 bob:kvc), or one in another user's 0755 directory, is
+    refused; root's are trusted (a Kubernetes secret volume)."""
+    other = 65534  # nobody
+    home = tmp_path / "bob"
+    home.mkdir()
+    path = home / "secret"
+    path.write_bytes(STRONG)
+    path.chmod(0o640)
+    os.chown(path, other, -1)
+    with pytest.raises(ConfigError) as exc:
+        load_secret(str(path))
+    assert exc.value.key == "secret_file" and f"uid {other}" in exc.value.why, exc.value
+    os.chown(path, os.geteuid(), -1)
+    os.chown(home, other, -1)
+    home.chmod(0o755)
+    with pytest.raises(ConfigError) as exc:
+        load_secret(str(path))
+    assert str(home) in exc.value.why and f"uid {other}" in exc.value.why, exc.value
+    os.chown(home, os.geteuid(), -1)
+    assert load_secret(str(path)) == STRONG
+
+
 @pytest.mark.parametrize("weak", [b"a" * 16, b"ab" * 16, b"abcdefg" * 5,
                                   b"0123456789abcde"])  # 15 bytes: refused before too
 def test_weak_secrets_are_refused_from_file_and_environment(tmp_path, monkeypatch, weak) -> None:
