@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 ROOT = "kvconnectors"
 VLLM = "vllm"
@@ -69,3 +70,34 @@ def use_vllm_logging() -> bool:
         # As vLLM's own logger: each line once, through vLLM's handler, not again through the root's.
         root.propagate = False
         return True
+
+
+class LogLimiter:
+    """At most one line per `interval_s` and key on `logger` (what a peer can provoke at will: refusals,
+    failed logins); the next line says how many were left out."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0):
+        self.logger, self.interval_s = logger, interval_s
+        self._state: dict[str, list[float]] = {}  # key -> [next allowed time, suppressed count]
+        self._lock = threading.Lock()
+
+    def log(self, level: int, key: str, msg: str, *args: object, exc_info: bool = False) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            st = self._state.get(key)
+            if st is not None and now < st[0]:
+                st[1] += 1
+                return False
+            left_out = int(st[1]) if st is not None else 0
+            self._state[key] = [now + self.interval_s, 0]
+        if left_out:
+            msg += " (%d more like it in the last %.0f s not logged)"
+            args = (*args, left_out, self.interval_s)
+        self.logger.log(level, msg, *args, exc_info=exc_info)
+        return True
+
+    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> bool:
+        return self.log(logging.WARNING, key, msg, *args, exc_info=exc_info)
+
+    def info(self, key: str, msg: str, *args: object) -> bool:
+        return self.log(logging.INFO, key, msg, *args)

@@ -77,7 +77,7 @@ import numpy as np
 import xxhash
 
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
-from kvconnectors.logs import get_logger
+from kvconnectors.logs import LogLimiter, get_logger
 from kvconnectors.store import StoreClosedError, TieredStore
 from kvconnectors.store.buffers import runs
 from kvconnectors.store.sizes import format_size
@@ -234,6 +234,7 @@ class Landing:
         self._heads: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # head fragment id -> its heads (bounded too)
         self._tokens: OrderedDict[str, str] = OrderedDict()  # transfer id -> its first Push's token ("": none)
         self.counters = {"pushes": 0, "push_bytes": 0, "landed": 0, "failed": 0, "refused_foreign": 0}
+        self.log = LogLimiter(logger)  # what a peer can provoke at will
 
     # ------------------------------------------------------------------ consumer side
     def wait(self, transfer_id: str, deadline: float, first_chunk_by: float) -> None:
@@ -323,7 +324,7 @@ class Landing:
                 self._fail_if_mine(msg.transfer_id, err, conn)
             except Exception:  # noqa: BLE001 - the answer below matters more
                 pass
-            _refuse(sock, err, conn)
+            self._refuse(sock, err, conn)
             if trailing_bytes(msg):
                 hang_up(sock)  # where its bytes stand is unknown: the stream may be out of step
 
@@ -339,7 +340,7 @@ class Landing:
             return
         except TransferError as exc:
             self._refuse_header(msg.transfer_id, exc, conn)
-            _refuse(sock, exc, conn)
+            self._refuse(sock, exc, conn)
             if trailing:
                 hang_up(sock)  # sizes we cannot trust: the unread bytes would be taken for a frame
             return
@@ -356,7 +357,7 @@ class Landing:
                 self._fail(msg.transfer_id, exc, conn)
             else:
                 self._count_foreign(msg.transfer_id, exc, conn)
-            _refuse(sock, exc, conn)
+            self._refuse(sock, exc, conn)
             return
         conn.buffer = loan if isinstance(loan, np.ndarray) else None
         try:
@@ -379,14 +380,14 @@ class Landing:
             return
         except TransferError as exc:
             self._fail(msg.transfer_id, exc, conn)
-            _refuse(sock, exc, conn)
+            self._refuse(sock, exc, conn)
             return
         except (ValueError, IndexError, OverflowError, TypeError) as exc:
             # the data path could not take this push (e.g. offsets numpy refuses) before any byte
             # moved; a streamed path has read its bytes or raised HungUp by now
             err = TransferError(FailureCause.PROTOCOL, f"push {msg.transfer_id!r} cannot be received: {exc}")
             self._fail(msg.transfer_id, err, conn)
-            _refuse(sock, err, conn)
+            self._refuse(sock, err, conn)
             if trailing:
                 hang_up(sock)
             return
@@ -412,7 +413,7 @@ class Landing:
                 self._fail_if_mine(msg.transfer_id, err, conn)
             except Exception:  # noqa: BLE001 - the answer below matters more
                 pass
-            _refuse(sock, err, conn)
+            self._refuse(sock, err, conn)
 
     def _handle_end(self, sock: socket.socket, msg: wire.PushEnd, conn: ConnectionState) -> None:
         tid = msg.transfer_id
@@ -421,7 +422,7 @@ class Landing:
             rec = self._mine(tid, conn)
         except TransferError as exc:
             self._count_foreign(tid, exc, conn)
-            _refuse(sock, exc, conn)
+            self._refuse(sock, exc, conn)
             return
         if rec is None:  # no entry of its own here
             conn.open.discard(tid)
@@ -439,7 +440,7 @@ class Landing:
                 else f"nothing of transfer {tid!r} is landing here from this producer",
                 FailureCause.PROTOCOL if self.store.contains(tid) else FailureCause.UNKNOWN_TRANSFER)
             self._count_foreign(tid, exc, conn)
-            _refuse(sock, exc, conn)
+            self._refuse(sock, exc, conn)
             return
         conn.open.discard(tid)
         if not msg.ok:
@@ -453,7 +454,7 @@ class Landing:
             err = exc if isinstance(exc, TransferError) else TransferError(
                 FailureCause.PROTOCOL, f"pushed transfer {tid!r} is incomplete: {exc}")
             self._fail(tid, err, conn)
-            _refuse(sock, err, conn)
+            self._refuse(sock, err, conn)
             return
         with self._cond:
             if self._inflight.get(tid) is rec:
@@ -814,7 +815,7 @@ class Landing:
                 pass
 
     def _remember(self, tid: str, exc: TransferError, conn: ConnectionState) -> None:
-        logger.warning("pushed transfer %s from %s failed to land: %s", tid, conn.peer, exc)
+        self.log.warning("failed", "pushed transfer %s from %s failed to land: %s", tid, conn.peer, exc)
         with self._cond:
             self.counters["failed"] += 1
             self._path_bytes.pop(tid, None)
@@ -825,8 +826,18 @@ class Landing:
                 self._failed.popitem(last=False)
             self._cond.notify_all()
 
+    def _refuse(self, sock: socket.socket, exc: TransferError, conn: ConnectionState) -> None:
+        """Answer a push message with its typed refusal, in step. A peer that has not proved the shared
+        secret is not told this store's layout or occupancy (issue 34): the cause only (the details
+        are logged here, at most once per 10 s: such a peer may send refusable pushes at will)."""
+        if exc.cause in _PRIVATE_CAUSES and not _authenticated(conn):
+            self.log.info("unauthenticated", "refused a push message from unauthenticated %s: %s", conn.peer, exc)
+            exc = TransferError(exc.cause, f"push refused ({exc.cause.value}); why is not shown to an unauthenticated "
+                                           "peer (see the landing side's log; peers that prove the shared secret are told)")
+        wire.send_refusal(sock, exc)
+
     def _count_foreign(self, tid: str, exc: TransferError, conn: ConnectionState) -> None:
-        logger.info("refused a push message for %r from %s: %s", tid[:64], conn.peer, exc)
+        self.log.info("foreign", "refused a push message for %r from %s: %s", tid[:64], conn.peer, exc)
         with self._cond:
             self.counters["refused_foreign"] += 1
 
@@ -853,16 +864,6 @@ def _bad_checksum(msg: wire.Push, rows: Sequence[np.ndarray] | np.ndarray, base:
 # Causes whose details describe this store (its layout, its free space): an unauthenticated peer gets
 # the cause and this line instead (the details are logged here, and told to peers that prove the secret)
 _PRIVATE_CAUSES = (FailureCause.LAYOUT_MISMATCH, FailureCause.STORE_FULL)
-
-
-def _refuse(sock: socket.socket, exc: TransferError, conn: ConnectionState) -> None:
-    """Answer a push message with its typed refusal, in step. A peer that has not proved the shared
-    secret is not told this store's layout or occupancy (issue 34): the cause only."""
-    if exc.cause in _PRIVATE_CAUSES and not _authenticated(conn):
-        logger.info("refused a push message from unauthenticated %s: %s", conn.peer, exc)
-        exc = TransferError(exc.cause, f"push refused ({exc.cause.value}); why is not shown to an unauthenticated "
-                                       "peer (see the landing side's log; peers that prove the shared secret are told)")
-    wire.send_refusal(sock, exc)
 
 
 def _authenticated(conn: ConnectionState) -> bool:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconnectors.errors import ConfigError, FailureCause, TransferError, UnknownTransferError
-from kvconnectors.logs import get_logger
+from kvconnectors.logs import LogLimiter, get_logger
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import auth, wire
 from kvconnectors.transport.admission import Admission, Caps, Seat, peer_key
@@ -77,30 +77,6 @@ class ServerCounters:
 
     def reject(self, cause: str) -> None:
         self.rejected[cause] = self.rejected.get(cause, 0) + 1
-
-
-class LogLimiter:
-    """At most one log line per `interval_s` and key; the next line says how many were left out."""
-
-    def __init__(self, interval_s: float = 10.0):
-        self.interval_s = interval_s
-        self._state: dict[str, list[float]] = {}  # key -> [next allowed time, suppressed count]
-        self._lock = threading.Lock()
-
-    def warning(self, key: str, msg: str, *args: object, exc_info: bool = False) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            st = self._state.get(key)
-            if st is not None and now < st[0]:
-                st[1] += 1
-                return False
-            left_out = int(st[1]) if st is not None else 0
-            self._state[key] = [now + self.interval_s, 0]
-        if left_out:
-            msg += " (%d more like it in the last %.0f s not logged)"
-            args = (*args, left_out, self.interval_s)
-        logger.warning(msg, *args, exc_info=exc_info)
-        return True
 
 
 class StoreServer:
@@ -150,7 +126,7 @@ class StoreServer:
         self.max_connections, self.max_pending, self.max_per_peer = max_connections, max_pending, max_per_peer
         self.max_pending_per_peer = caps.pending_per_peer
         self.require_grants, self.max_grants = require_grants, max_grants
-        self.log = LogLimiter(log_interval_s)
+        self.log = LogLimiter(logger, log_interval_s)
         self._lock = threading.Lock()
         self._sealed = threading.Condition()
         self._grants: OrderedDict[str, str] = OrderedDict()

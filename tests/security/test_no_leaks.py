@@ -75,3 +75,20 @@ def test_inline_heads_is_served_sealed_under_aead(make_server) -> None:
                deadline=time.monotonic() + RPC_S, path=TCP_HEADS_PULL, heads=[1, 2])
     want = pack_heads(data.reshape(-1, SLOT), rl, HeadRange(1, 2))
     assert np.array_equal(got, want)
+
+
+def test_what_a_pusher_provokes_is_logged_at_a_bounded_rate(caplog) -> None:
+    """Review follow-up: the details kept from an unauthenticated pusher go to the landing side's log,
+    which the pusher must not be able to flood: 50 refused pushes, at most one line per kind."""
+    import logging
+
+    srv = LandingServer(dram_slots=8)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvconnectors"):
+            for i in range(50):  # a refused header ends its connection (its byte count is not trusted)
+                refused(push, srv.client(), f"bad{i}", [0], 0, 2, 2, num_layers=LAYERS + 1)
+        lines = [r for r in caplog.records if "refused a push message from unauthenticated" in r.getMessage()]
+        failed = [r for r in caplog.records if "failed to land" in r.getMessage()]
+        assert len(lines) == 1 and len(failed) == 1, (len(lines), len(failed))
+    finally:
+        srv.close()
