@@ -39,8 +39,10 @@ class PeerAddress(msgspec.Struct, array_like=True):
     port: int
 
 
-class TransferParams(msgspec.Struct, forbid_unknown_fields=True):
-    """The consumer's ticket to one staged transfer. Version 4."""
+class TransferParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """The consumer's ticket to one staged transfer. Version 4. Fields at their defaults are left out
+    of the JSON, so a field added since (shm_paths) reaches only the consumers of tickets that use it:
+    a tcp ticket reads the same to a consumer of the previous release."""
     v: int
     transfer_id: str
     addrs: list[PeerAddress]        # producer store server per tensor-parallel rank

@@ -399,3 +399,18 @@ def test_without_the_window_a_v3_ticket_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(kvparams, "ACCEPTED_PARAMS_VERSIONS", (kvparams.PARAMS_VERSION,))
     with pytest.raises(TransferError, match=r"kvc\.v=3"):
         kvparams.parse(_ticket(3, token=kvparams.new_token()), list(range(20)), 16)
+
+
+def test_a_tcp_ticket_carries_no_field_a_previous_consumer_would_refuse() -> None:
+    """Tickets leave fields at their defaults out (issue 34 added shm_paths): a tcp pull ticket of
+    this release has only the fields the previous release's consumer knew, which refuses unknown ones."""
+    token = kvparams.new_token()
+    ticket = kvparams.TransferParams(
+        v=kvparams.PARAMS_VERSION, transfer_id="t", addrs=[kvparams.PeerAddress("127.0.0.1", 7000)], num_tokens=20,
+        num_blocks=2, block_size=16, fingerprint="fp", prompt_hash=kvparams.prompt_hash(list(range(20))),
+        lease_ttl_s=30, issued_at=0, token=token, tp_size=1, kv_heads=2)
+    built = msgspec.to_builtins(ticket)
+    before = {"v", "transfer_id", "addrs", "num_tokens", "num_blocks", "block_size", "fingerprint", "prompt_hash",
+              "lease_ttl_s", "issued_at", "transport", "shm_path", "push_target", "token", "tp_size", "kv_heads"}
+    assert set(built) <= before, set(built) - before
+    assert kvparams.parse(kvparams.producer_params(ticket, "engine"), list(range(20)), 16) == ticket
