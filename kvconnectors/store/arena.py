@@ -14,7 +14,7 @@ already at its path is removed and created anew only when it is a stale arena of
 file of this user whose lock is free: a crashed run's), so neither its bytes nor its mode survive;
 a symlink, anything but a regular file, another user's file or a live store's is refused with a
 ConfigError naming the path. A reader of another process's arena opens it with `open_peer_arena`
-(or `map_peer_arena`): no symlink, a regular file of its user or root that neither group nor others
+(or `map_peer_arena`): no symlink, a regular file of its own user that neither group nor others
 may write, whole slots, held by a live store; anything else is `ArenaRefused`.
 """
 

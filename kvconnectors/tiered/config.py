@@ -134,6 +134,13 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
 
         self.fault_plan = FaultPlan.from_config(self.fault_injection)
 
+    @property
+    def has_secret(self) -> bool:
+        """A shared secret is configured: secret_file, or the environment variable (read at start)."""
+        from kvconnectors.transport.auth import SECRET_ENV  # noqa: PLC0415 - config stays light to import
+
+        return bool(self.secret_file or os.environ.get(SECRET_ENV))
+
     def _check_exposure(self) -> None:
         """A store server other hosts can reach (bind_host not loopback: a wildcard, however spelled,
         or any other address or host name; transport/exposure.py) without a shared secret serves any
@@ -141,7 +148,7 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         may come from the env). With transport nixl, allow_insecure does not waive it (below)."""
         from kvconnectors.transport.auth import SECRET_ENV  # noqa: PLC0415 - config stays light to import
 
-        has_secret = bool(self.secret_file or os.environ.get(SECRET_ENV))
+        has_secret = self.has_secret
         _nixl_needs_secret(self.transport, self.bind_host, has_secret)
         check_exposure("bind_host", self.bind_host, has_secret=has_secret, allow_insecure=self.allow_insecure,
                        secret_how=f"secret_file, or the {SECRET_ENV} environment variable",
@@ -154,7 +161,7 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
             return
         from kvconnectors.transport.auth import SECRET_ENV  # noqa: PLC0415 - config stays light to import
 
-        if not (self.secret_file or os.environ.get(SECRET_ENV)):
+        if not self.has_secret:
             raise ConfigError("wire_protection", self.wire_protection, (
                 f"needs the shared secret (secret_file or {SECRET_ENV}): the sealing keys come from the handshake "
                 "it authenticates"))
@@ -169,7 +176,7 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         spoke it could be downgraded by anyone who says "v3 only": never both."""
         from kvconnectors.transport.auth import SECRET_ENV  # noqa: PLC0415 - config stays light to import
 
-        if self.allow_previous_wire and (self.secret_file or os.environ.get(SECRET_ENV)):
+        if self.allow_previous_wire and self.has_secret:
             raise ConfigError("allow_previous_wire", True, (
                 f"cannot be combined with a shared secret (secret_file or {SECRET_ENV}): the previous wire version "
                 "v3 authenticates one way only, so a peer that says it speaks only v3 would be trusted without "

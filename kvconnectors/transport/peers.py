@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 
 from kvconnectors.errors import ConfigError, FailureCause, TransferError
 from kvconnectors.logs import get_logger
+from kvconnectors.transport.exposure import numeric_address
 
 logger = get_logger(__name__)
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -107,13 +108,8 @@ class PeerPolicy:
         return cls(parse_networks(allowed) + _own(own_hosts), configured=True)
 
     def allows_ip(self, ip: str) -> bool:
-        try:
-            addr = ipaddress.ip_address(ip.split("%", 1)[0])
-        except ValueError:
-            return False
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
-        return any(addr.version == n.version and addr in n for n in self.networks)
+        addr = numeric_address(ip) if ip else None  # the scope id dropped, an IPv4-mapped one as IPv4
+        return addr is not None and any(addr.version == n.version and addr in n for n in self.networks)
 
     def check(self, host: str, port: int, field: str) -> str:
         ips = self._resolve(host, port, field)
