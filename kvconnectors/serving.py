@@ -452,6 +452,9 @@ class VllmServer:
                 self.proc.wait(timeout=10.0)  # reap the leader (it is our child)
             except subprocess.TimeoutExpired:
                 pass
+            # A worker orphaned before the snapshot (its instance went down with a killed rank) is in
+            # no tree but still in our group: wait for it too, or its shm arena outlives the reaper
+            wait_gone(_group_members(pgid), 10.0)
             for t in self._threads:
                 t.join(timeout=5.0)
             if self._rpc_dir is not None:
@@ -567,6 +570,18 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    """The processes of process group `pgid` that are still running (orphans included)."""
+    members = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and not _is_gone(p):
+                members.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
 
 
 def _group_alive(pgid: int) -> bool:

@@ -195,11 +195,16 @@ def writer_missing(isa: str, dtype: torch.dtype, cache_dtype: str, head_size: in
     except RuntimeError as exc:
         if not str(exc).startswith(NO_KERNEL):
             raise
-        version = ".".join(vllm.__version__.split(".")[:2])
-        what = str(dtype).removeprefix("torch.") + (f" with an {cache_dtype} KV cache" if fp8 else "")
-        return (f"cpu_attn_reshape_and_cache: vLLM {version}'s CPU build has no {isa} kernel for {what} "
-                f"on this host ({THIS_CPU}): {str(exc).splitlines()[0]}")
+        return writer_skip_reason(".".join(vllm.__version__.split(".")[:2]), isa, str(dtype).removeprefix("torch."),
+                                  cache_dtype if fp8 else "", THIS_CPU, str(exc).splitlines()[0])
     return None
+
+
+def writer_skip_reason(version: str, isa: str, dtype: str, cache_dtype: str, cpu: str, error: str) -> str:
+    """The skip reason of a writer check whose kernel this host's vLLM build lacks (the allowlist's
+    test builds the AVX2 host's with it too)."""
+    what = dtype + (f" with an {cache_dtype} KV cache" if cache_dtype else "")
+    return f"cpu_attn_reshape_and_cache: vLLM {version}'s CPU build has no {isa} kernel for {what} on this host ({cpu}): {error}"
 
 
 def require_writer(isa: str, dtype: torch.dtype, cache_dtype: str, head_size: int) -> None:

@@ -132,6 +132,13 @@ def _todays_skips() -> list[str]:
     reasons += [f"{b.OffloadingBackend.name}: {b.OFFLOADING_WORKER_ON_CPU}",
                 f"{b.OffloadingBackend.name}: {b.OFFLOADING_NO_BACKDOOR}",
                 f"{b.MooncakeBackend.name}: {b.MOONCAKE_ENGINE_ON_CPU}"]
+    # vLLM's CPU attention writer on an AVX2 host (test_cpu_attn_packing.py probes it): no amx kernel,
+    # no fp8-cache vec kernel. On an AVX-512 host these checks run instead of skipping.
+    from test_cpu_attn_packing import writer_skip_reason
+
+    avx2, missing = "AVX2, no AVX-512", "Unsupported CPU attention configuration: head_dim={} isa={} kv_cache_idx={}"
+    reasons += [writer_skip_reason("0.32", "amx", "bfloat16", "", avx2, missing.format(32, 0, 0)),
+                writer_skip_reason("0.32", "vec", "float32", "fp8_e5m2", avx2, missing.format(128, 1, 2))]
     lmcache = b.LMCacheBackend().unavailable()
     if lmcache is not None:  # lmcache has no wheel here; where it imports, this skip does not happen
         reasons.append(f"{b.LMCacheBackend.name}: unavailable here: {lmcache}")
