@@ -123,8 +123,6 @@ class StoreServer:
         caps = Caps(max_connections=max_connections, max_per_peer=max_per_peer, max_pending=max_pending,
                     max_pending_per_peer=max_pending_per_peer, max_pending_per_prefix=max_pending_per_prefix)
         self.admission = Admission(caps, on_evict=self.counters.reject)
-        self.max_connections, self.max_pending, self.max_per_peer = max_connections, max_pending, max_per_peer
-        self.max_pending_per_peer = caps.pending_per_peer
         self.require_grants, self.max_grants = require_grants, max_grants
         self.log = LogLimiter(logger, log_interval_s)
         self._lock = threading.Lock()
@@ -279,6 +277,12 @@ class StoreServer:
         """The agent consumers READ this store's arena through (transport nixl), else None."""
         path = self.paths.get(NixlPull.name)
         return getattr(path, "source", None)
+
+    # the caps, as admission.py holds them (read by operators and the DoS tests)
+    max_connections = property(lambda self: self.admission.caps.max_connections)
+    max_per_peer = property(lambda self: self.admission.caps.max_per_peer)
+    max_pending = property(lambda self: self.admission.caps.max_pending)
+    max_pending_per_peer = property(lambda self: self.admission.caps.pending_per_peer)
 
     @property
     def active_connections(self) -> int:
