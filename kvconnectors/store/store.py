@@ -568,7 +568,7 @@ class TieredStore:
             e = self._entries.get(key)
             if e is None or e.seq != seq or not e.lease.expired(now):
                 continue  # renewed since, or already gone
-            self._end(e, "expired", now)
+            self._end(e, "expired", e.lease.deadline)  # when it lapsed, not when we noticed: "expired 5s ago"
             out.append(key)
         return out
 

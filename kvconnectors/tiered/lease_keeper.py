@@ -3,8 +3,11 @@
 While a request waits in the consumer's queue, its producer-side entry must not expire; the
 keeper renews every tracked transfer each `interval` seconds (one connection per producer per
 beat). When a request is aborted before its KV was pulled, the keeper tells the producer to
-release the entry now instead of holding it until the TTL runs out. One thread, woken by an
-event: no polling while idle.
+release the entry now instead of holding it until the TTL runs out. One thread keeps the beat,
+woken by an event (no polling while idle); the calls to producers run on a small pool, one at a
+time per producer, so a slow or hung producer delays nobody else's renewals (seen: a busy landing
+store held the next producer's renewal past a 2 s TTL), and a beat starts every `interval`
+whatever the previous one still waits for.
 
 A pushed request (push mode) has two copies that may matter while it queues: the landed copy in
 the consumer's own store (what it will load) and the producer's staged copy (what it pulls if the
@@ -18,6 +21,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from kvconnectors.errors import TransferError
 from kvconnectors.logs import get_logger
@@ -26,6 +30,8 @@ from kvconnectors.transport.client import StoreClient
 logger = get_logger(__name__)
 
 Addr = tuple[str, int]
+
+MAX_CALLS_IN_FLIGHT = 8  # producers called at once; the others wait for a free caller
 
 
 class LeaseKeeper:
@@ -41,6 +47,8 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
+        self._busy: set[Addr] = set()  # producers whose previous call is still under way: skipped meanwhile
+        self._calls = ThreadPoolExecutor(MAX_CALLS_IN_FLIGHT, thread_name_prefix="kvc-lease-call")
         self.renewals = 0
         self.releases = 0
         self.lost = 0  # renewals a producer answered with "no longer held"
@@ -79,7 +87,8 @@ class LeaseKeeper:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=self.rpc_timeout_s * 2)
-        self._flush_releases()  # an engine shutting down still gives back what it was handed
+        self._calls.shutdown(wait=True, cancel_futures=True)  # each call ends by its deadline
+        self._flush_releases(now=True)  # an engine shutting down still gives back what it was handed
 
     def _run(self) -> None:
         next_beat = time.monotonic() + self.interval_s
@@ -93,21 +102,29 @@ class LeaseKeeper:
                 with self._lock:
                     soon, self._beat_soon = self._beat_soon, False
                 if soon or time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.interval_s  # a fixed rate, however long calls take
                     self._beat()
-                    next_beat = time.monotonic() + self.interval_s
             except Exception:
                 logger.exception("lease keeper round failed; continuing")
 
-    def _flush_releases(self) -> None:
+    def _flush_releases(self, now: bool = False) -> None:
+        """Hand the queued releases to the callers (`now`: make them here, at close)."""
         with self._lock:
             batch, self._to_release = self._to_release, []
         for addr, tid, token in batch:
-            try:
-                with self._client(addr) as c:
-                    c.release(tid, time.monotonic() + self.rpc_timeout_s, token=token)
+            if now:
+                self._release(addr, tid, token)
+            else:
+                self._calls.submit(self._release, addr, tid, token)
+
+    def _release(self, addr: Addr, tid: str, token: str) -> None:
+        try:
+            with self._client(addr) as c:
+                c.release(tid, time.monotonic() + self.rpc_timeout_s, token=token)
+            with self._lock:
                 self.releases += 1
-            except (TransferError, OSError) as exc:
-                logger.warning("could not release transfer %s at %s:%s (it will expire): %s", tid, *addr, exc)
+        except (TransferError, OSError) as exc:
+            logger.warning("could not release transfer %s at %s:%s (it will expire): %s", tid, *addr, exc)
 
     def _beat(self) -> None:
         with self._lock:
@@ -120,13 +137,23 @@ class LeaseKeeper:
                         by_peer[addr].setdefault(key, False)
                 for addr in addrs:
                     by_peer[addr][tid] = True
+            for addr in [a for a in by_peer if a in self._busy]:
+                del by_peer[addr]  # still answering the previous beat: its deadline ends that call
+            self._busy.update(by_peer)
         for addr, tids in by_peer.items():
-            try:
-                with self._client(addr) as c:
-                    reply = c.renew(list(tids), time.monotonic() + self.rpc_timeout_s,
-                                    tokens=[tokens[t] for t in tids])
-            except (TransferError, OSError) as exc:
-                logger.warning("lease heartbeat to producer %s:%s failed: %s", *addr, exc)
-                continue
+            self._calls.submit(self._renew, addr, tids, [tokens[t] for t in tids])
+
+    def _renew(self, addr: Addr, tids: dict[str, bool], tokens: list[str]) -> None:
+        """A caller thread: renew `tids` (id -> must be held) at one producer."""
+        try:
+            with self._client(addr) as c:
+                reply = c.renew(list(tids), time.monotonic() + self.rpc_timeout_s, tokens=tokens)
+        except (TransferError, OSError) as exc:
+            logger.warning("lease heartbeat to producer %s:%s failed: %s", *addr, exc)
+            return
+        finally:
+            with self._lock:
+                self._busy.discard(addr)
+        with self._lock:
             self.renewals += len(reply.remaining)
             self.lost += sum(1 for tid in reply.missing if tids.get(tid, True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -61,6 +62,25 @@ def test_keeper_survives_a_dead_peer_and_keeps_renewing_the_live_one() -> None:
         assert keeper._thread.is_alive()
     finally:
         keeper.close()
+        srv.close()
+        store.close()
+
+
+def test_a_hung_peer_does_not_hold_back_the_renewals_of_the_others() -> None:
+    """A producer that accepts the connection and never answers (its call ends only at the 3 s
+    deadline) must not delay the renewal of a live producer's 1 s lease, in any order."""
+    hung = socket.create_server(("127.0.0.1", 0))  # the kernel completes connects; nobody answers
+    store, srv = _rank(ttl=1.0)
+    keeper = LeaseKeeper(0.3, _client, rpc_timeout_s=3.0)
+    try:
+        keeper.track("hung", [("127.0.0.1", hung.getsockname()[1])], "x")
+        keeper.track("live", [("127.0.0.1", srv.port)], "t")
+        time.sleep(2.5)
+        assert store.contains("t"), "the live producer's lease lapsed while a hung one was called"
+        assert keeper.renewals >= 4
+    finally:
+        keeper.close()
+        hung.close()
         srv.close()
         store.close()
 

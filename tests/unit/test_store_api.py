@@ -178,8 +178,8 @@ def test_expiry_release_and_typed_errors(tmp_path):
         clk.advance(5)
         assert s.renew("a") == 10 and s.renew("b", 20) == 20  # default: the TTL the entry was created with
         assert s.lease_remaining("a") == 10
-        clk.advance(5)  # c and d reach their deadline
-        with pytest.raises(LeaseExpiredError, match="expired"):
+        clk.advance(7)  # c and d reached their deadline 2 s ago
+        with pytest.raises(LeaseExpiredError, match="expired 2s ago"):  # when it lapsed, not when noticed
             s.read_into("c", 0, 0, bytearray(S))
         assert sorted(s.expire_now()) == []  # lazily expired already by the read above
         assert sorted(s.keys()) == ["a", "b"] and not s.contains("c") and s.contains("a")
