@@ -99,7 +99,7 @@ EXTRAS["dev"] = [*EXTRAS["conformance"], *EXTRAS["plot"], "pytest-timeout>=2.3",
 
 
 # The shm pull's per-block copy and checksum check in C (kvconnectors/_native/blockcopy.c). Optional:
-# without a C compiler the package installs and transport/block_shares.py copies in Python instead,
+# without a C compiler the package installs and mover/block_shares.py copies in Python instead,
 # slower (tests/unit/test_block_shares.py says when the build is missing).
 NATIVE = [Extension("kvconnectors._blockcopy", sources=["kvconnectors/_native/blockcopy.c"],
                     include_dirs=["kvconnectors/_native"], depends=["kvconnectors/_native/xxhash.h"],

@@ -86,7 +86,7 @@ import numpy as np  # noqa: E402
 from kvconnectors import planner  # noqa: E402
 from kvconnectors.benchmarks.models import PRESETS, KVBlocks, Preset  # noqa: E402
 from kvconnectors.store.buffers import aligned_zeros  # noqa: E402
-from kvconnectors.transport.block_views import BlockViews  # noqa: E402
+from kvconnectors.mover.block_views import BlockViews  # noqa: E402
 from kvconnectors.transport.nixl_bench import transfer_and_poll  # noqa: E402  (no NIXL import: that is lazy)
 
 FP = "kvc-bench-transfer"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -702,6 +703,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(describe(plans, args, log_dir, proxy_cfg, placement))
         return 0
+    if importlib.util.find_spec("vllm") is None:  # else each server dies on it, the cause only in its log
+        raise ModuleNotFoundError("No module named 'vllm'", name="vllm")  # the CLI names the extra
     servers = [build_server(p, args, log_dir) for p in plans]
     proxy_proc: subprocess.Popen[bytes] | None = None
 

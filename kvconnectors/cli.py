@@ -1,9 +1,13 @@
-"""The `kvconnectors` command: one sub-command per module, registered lazily.
+"""The `kvconnectors` command: one sub-command per module, imported only when that command runs.
 
-Each sub-command lives in the module that does the work and exposes
-`add_arguments(parser)` and `run(args) -> int`; this file only wires them up, so
-`kvconnectors --help` stays fast (no vLLM or torch import until a command runs).
-DESCRIPTION and EPILOG are what a user reads in `kvconnectors --help`.
+Each sub-command lives in the module that does the work and exposes `add_arguments(parser)` and
+`run(args) -> int`; this file only wires them up. `kvconnectors --help` imports none of them, so it
+works with the base dependencies alone and stays fast (no vLLM, torch or aiohttp). A command whose
+optional dependency is missing fails with one line naming the module and the extra to install
+(extras.py), exit status 2. This dispatcher is the only place in kvconnectors/ that names the
+`integration/` and `benchmarks/` folders (installed as kvconnectors.integration/.benchmarks), and only
+as strings: the command line is the top of the arrows. DESCRIPTION and EPILOG are what a user reads
+in `kvconnectors --help`.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Collection
 
 from kvconnectors import __version__
 from kvconnectors.cli_types import HelpFormatter, pipe_safe
+from kvconnectors.extras import missing_dependency
 
 DESCRIPTION = """\
 Disaggregated prefill/decode serving for vLLM with TieredConnector: decide whether splitting
@@ -28,10 +34,10 @@ examples:
 
 `kvconnectors COMMAND --help` lists a command's options."""
 
-# name -> (module, one-line help)
+# name -> (module, one-line help); a module is imported only when its command runs or prints its --help
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvconnectors.planner_cli", "Should I split prefill and decode, and how many GPUs per pool?"),
-    "demo": ("kvconnectors.demo", "Run a real prefill->decode handoff on the tiny model and compare with colocated."),
+    "demo": ("kvconnectors.benchmarks.demo", "Run a real prefill->decode handoff on the tiny model and compare with colocated."),
     "make-model": ("kvconnectors.testing.tinymodel", "Generate the deterministic tiny test model."),
     "serve-pd": ("kvconnectors.integration.launcher",
                  "Launch prefill and decode `vllm serve` pools plus the P/D proxy."),
@@ -41,24 +47,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The command line. Each command in `commands` (default: every one) gets its module's flags and
+    `run`, which imports the module; the others only their name and help line."""
+    commands = COMMANDS if commands is None else commands
     parser = argparse.ArgumentParser(prog="kvconnectors", description=DESCRIPTION, epilog=EPILOG,
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
-        if only is not None and name != only:
-            continue
-        try:
+        if name in commands:
             module = importlib.import_module(module_name)
-        except ImportError as exc:  # a sub-command whose extra is not installed
-            if only == name:  # say why now, before argparse trips over its own arguments
-                parser.error(f"{name} is unavailable: {exc}")
-            p.set_defaults(_unavailable=f"{name} is unavailable: {exc}")
-            continue
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 
@@ -69,14 +71,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(only=command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
-    if getattr(args, "_unavailable", None):
-        parser.error(args._unavailable)
-    if not getattr(args, "_run", None):
-        parser.print_help()
+    command = command if command in COMMANDS else None
+    try:
+        parser = build_parser([command] if command else [])
+        args = parser.parse_args(argv)
+        if not getattr(args, "_run", None):
+            parser.print_help()
+            return 2
+        return int(args._run(args) or 0)
+    except ModuleNotFoundError as exc:  # at the command's import or while it runs
+        missing = missing_dependency(exc)
+        if missing is None:  # not an optional package: a bug, show it whole
+            raise
+        print(f"kvconnectors {command}: error: {missing}", file=sys.stderr)
         return 2
-    return int(args._run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ _EXPORTS = {
     "CAPABILITY_DOCS": "kvconnectors.conformance.capabilities",
     "AREAS": "kvconnectors.conformance.capabilities",
     "ConnectorBackend": "kvconnectors.conformance.fixtures",
-    "load_backend": "kvconnectors.conformance.fixtures",
+    "load_backend": "kvconnectors.conformance.backends",
     "SchedulerContractTests": "kvconnectors.conformance.scheduler_contract",
     "WorkerTransferTests": "kvconnectors.conformance.worker_transfer",
     "EngineEndToEndTests": "kvconnectors.conformance.engine_e2e",

@@ -7,6 +7,7 @@ CPU-only host; the exact exception text is quoted so a reader can tell when it s
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -392,3 +393,22 @@ BACKENDS: dict[str, type[ConnectorBackend]] = {
     "OffloadingConnector": OffloadingBackend,
     "MultiConnector": MultiBackend,
 }
+
+
+def load_backend(spec: str) -> type[ConnectorBackend]:
+    """A backend class from a built-in name ("TieredConnector"), "module:Class" naming a
+    `ConnectorBackend` subclass, or "module:Class" naming a `KVConnectorBase_V1` subclass (a
+    generic backend is made for it, with nothing but the default capabilities declared)."""
+    if spec in BACKENDS:
+        return BACKENDS[spec]
+    if ":" not in spec:
+        raise ValueError(f"unknown connector {spec!r}: use one of {', '.join(BACKENDS)} "
+                         "or module:Class")
+    module_name, _, cls_name = spec.partition(":")
+    obj = getattr(importlib.import_module(module_name), cls_name)
+    if isinstance(obj, type) and issubclass(obj, ConnectorBackend):
+        return obj
+    return type(f"{cls_name}Backend", (ConnectorBackend,), {
+        "name": cls_name, "kv_connector": cls_name, "module_path": module_name,
+        "own": module_name.partition(".")[0] == "kvconnectors",   # ours by any name: fail, never skip
+        "__doc__": f"Generic backend for {spec}: default capabilities only."})

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvconnectors.conformance.fixtures import ConnectorBackend
+    from kvconnectors.conformance.hooks import BackendHooks
 
 
 @dataclass
@@ -73,7 +73,7 @@ def colocated(model: str, prompts: list[list[int]], max_tokens: int) -> list[lis
     return _colocated_cache[key]
 
 
-def _fault(backend: "ConnectorBackend", fault: str | None) -> tuple[dict[str, Any], Any]:
+def _fault(backend: "BackendHooks", fault: str | None) -> tuple[dict[str, Any], Any]:
     """(extra config, consumer-params rewrite) for `fault`; skips when the backend has no hook."""
     import pytest
 
@@ -95,7 +95,7 @@ def _fault(backend: "ConnectorBackend", fault: str | None) -> tuple[dict[str, An
     pytest.skip(f"{backend.name}: no load-failure hook (fault_extra() and fault_params() return None)")
 
 
-def one_engine_pd(backend: "ConnectorBackend", model: str, prompts: list[list[int]], max_tokens: int, *,
+def one_engine_pd(backend: "BackendHooks", model: str, prompts: list[list[int]], max_tokens: int, *,
                   fault: str | None = None, policy: str = "fail") -> PDRun:
     from kvconnectors.testing.engines import generate_outputs, llm_engine
     from kvconnectors.testing.pd import assert_engine_idle, worker_connector
@@ -117,7 +117,7 @@ def one_engine_pd(backend: "ConnectorBackend", model: str, prompts: list[list[in
                  notes=notes)
 
 
-def example_two_engine_pd(backend: "ConnectorBackend", model: str, prompts: list[list[int]], max_tokens: int, *,
+def example_two_engine_pd(backend: "BackendHooks", model: str, prompts: list[list[int]], max_tokens: int, *,
                           fault: str | None = None, policy: str = "fail", workdir: Path) -> PDRun:
     """Producer engine writes the store, consumer engine reads it. fault="corrupt" replaces the
     stored KV by noise between the two (the store has no integrity check to catch it)."""
@@ -154,7 +154,7 @@ def example_two_engine_pd(backend: "ConnectorBackend", model: str, prompts: list
                  notes={"stored_files": len(files)})
 
 
-def server_pd(backend: "ConnectorBackend", model: str, prompts: list[list[int]], max_tokens: int, *,
+def server_pd(backend: "BackendHooks", model: str, prompts: list[list[int]], max_tokens: int, *,
               fault: str | None = None, policy: str = "fail", workdir: Path) -> PDRun:
     """Two live `vllm serve` processes (one per core) and the proxy flow, for connectors whose
     consumer must reach a live producer (`capabilities.needs_two_engines`)."""

@@ -26,7 +26,6 @@ Scenarios backends never override live in the mixins; every wait is bounded by `
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import traceback
 from collections.abc import Iterator
@@ -286,24 +285,3 @@ class ConnectorBackend:
 def _traceback_summary(exc: BaseException, frames: int = 8) -> str:
     """The innermost `frames` frames and the exception line: enough to see where it was raised."""
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-frames)).rstrip()
-
-
-def load_backend(spec: str) -> type[ConnectorBackend]:
-    """A backend class from a built-in name ("TieredConnector"), "module:Class" naming a
-    `ConnectorBackend` subclass, or "module:Class" naming a `KVConnectorBase_V1` subclass (a
-    generic backend is made for it, with nothing but the default capabilities declared)."""
-    from kvconnectors.conformance import backends
-
-    if spec in backends.BACKENDS:
-        return backends.BACKENDS[spec]
-    if ":" not in spec:
-        raise ValueError(f"unknown connector {spec!r}: use one of {', '.join(backends.BACKENDS)} "
-                         "or module:Class")
-    module_name, _, cls_name = spec.partition(":")
-    obj = getattr(importlib.import_module(module_name), cls_name)
-    if isinstance(obj, type) and issubclass(obj, ConnectorBackend):
-        return obj
-    return type(f"{cls_name}Backend", (ConnectorBackend,), {
-        "name": cls_name, "kv_connector": cls_name, "module_path": module_name,
-        "own": module_name.partition(".")[0] == "kvconnectors",   # ours by any name: fail, never skip
-        "__doc__": f"Generic backend for {spec}: default capabilities only."})

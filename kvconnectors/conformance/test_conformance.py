@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from kvconnectors.conformance.fixtures import load_backend
+from kvconnectors.conformance.backends import load_backend
 from kvconnectors.conformance.suites import ALL_AREAS
 
 ENV_BACKEND = "KVCONNECTORS_CONFORMANCE_BACKEND"

@@ -36,7 +36,7 @@ from kvconnectors.conformance.harness import (DEFAULT_NUM_BLOCKS, KVShape, Sched
 from kvconnectors.serving import free_port
 
 if TYPE_CHECKING:
-    from kvconnectors.conformance.fixtures import ConnectorBackend
+    from kvconnectors.conformance.hooks import BackendHooks
 
 
 @contextlib.contextmanager
@@ -101,7 +101,7 @@ def random_kv_caches(shape: KVShape, seed: int) -> dict[str, torch.Tensor]:
 class EngineHarness:
     """One engine (scheduler + worker-side connector + CPU KV caches), no model."""
 
-    def __init__(self, backend: "ConnectorBackend", role: str, *, name: str, seed: int,
+    def __init__(self, backend: "BackendHooks", role: str, *, name: str, seed: int,
                  policy: str = "fail", extra: dict[str, Any] | None = None,
                  num_blocks: int = DEFAULT_NUM_BLOCKS):
         from vllm.config import set_current_vllm_config

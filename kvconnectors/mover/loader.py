@@ -10,14 +10,16 @@ its event is done.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.mover.device import CopyEvent, DeviceOps
 from kvconnectors.mover.geometry import BlockGeometry
-from kvconnectors.transport.block_views import BlockViews
+from kvconnectors.mover.block_views import BlockViews
 
 
 class Loader:
@@ -83,3 +85,15 @@ class Loader:
                 dst = self.geometry.views[layer]
                 self.ops.scatter(host[i * n:(i + 1) * n].view(n, *dst.shape[1:]), dst, index)
         return self.ops.enqueue(copy, after)
+
+    def load_and_release(self, rows: np.ndarray, layers: Sequence[int], block_ids: Sequence[int],
+                         deadline: float) -> None:
+        """`load` and wait for it until `deadline` (time.monotonic); then the buffer goes back to the
+        pool. Past the deadline: TransferError TIMEOUT, and the buffer stays lent (the copy may still
+        read it)."""
+        try:
+            self.load(rows, layers, block_ids).wait(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise TransferError(FailureCause.TIMEOUT, "copying the KV into the cache blocks missed the "
+                                "load deadline") from None
+        self.release_buffer(rows)

@@ -24,7 +24,7 @@ from kvconnectors.mover.geometry import BlockGeometry
 from kvconnectors.store import TieredStore
 from kvconnectors.store.buffers import runs
 from kvconnectors.store.views import WriteTarget
-from kvconnectors.transport.block_shares import hash_rows
+from kvconnectors.mover.block_shares import hash_rows
 
 
 @dataclass

@@ -1,4 +1,10 @@
-"""TieredConnector under Ray Serve LLM: the connector backend and its registration with Ray.
+"""TieredConnector under Ray Serve LLM: the registration of its connector backend with Ray.
+
+The backend itself (requests shaped as our proxy shapes them; each replica's store address, ports
+and secret) is Ray Serve integration code: integration/ray/backend.py and stores.py. This module only
+names it, by a path Ray imports in each replica (BACKEND_PATH), so the package never imports the
+integration folder. It stays in the package because the vLLM plugin (kvconnectors.registry) calls it,
+and `build_pd_openai_app`, the import path users' Serve configs name, needs nothing but it.
 
 Ray Serve LLM shapes the prefill and decode requests of its P/D app (`build_pd_openai_app`) through a
 *connector backend* looked up by the `kv_connector` name in Ray's factory
@@ -7,7 +13,7 @@ name gets Ray's DefaultConnectorBackend with the warning "Unsupported connector 
 the name up in `VLLMEngine.__init__` of each replica, before that replica builds its vLLM engine
 args, which is when vLLM loads our `vllm.general_plugins` entry point: the plugin alone is too late
 for the replica it runs in. The registry lives in Ray's cluster-wide KV store, so one registration
-anywhere in the cluster before the replicas start is enough. This package does that:
+anywhere in the cluster before the replicas start is enough. This module does that:
 
 * `import kvconnectors.ray` (a driver, before or after `ray.init`: Ray queues and flushes it);
 * `import_path: kvconnectors.ray:build_pd_openai_app` in a Serve config: registers in the build
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvconnectors.logs import get_logger
 
@@ -32,7 +38,7 @@ logger = get_logger(__name__)
 
 BACKEND_NAME = "TieredConnector"  # the kv_connector value Ray looks up
 # A path, not the class: the registry pickles what it gets into Ray's KV store; replicas import it.
-BACKEND_PATH = "kvconnectors.ray.backend:TieredConnectorBackend"
+BACKEND_PATH = "kvconnectors.integration.ray.backend:TieredConnectorBackend"
 FACTORY_MODULE = "ray.llm._internal.serve.engines.vllm.kv_transfer.factory"
 
 __all__ = ["BACKEND_NAME", "BACKEND_PATH", "build_pd_openai_app", "ray_installed", "register_backend"]
@@ -83,14 +89,6 @@ def _register_on_import() -> None:
         register_backend()
     except Exception:  # an import must not fail because Ray's registry did
         logger.warning("could not register TieredConnector's Ray Serve LLM backend", exc_info=True)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "TieredConnectorBackend":  # lazily: it imports Ray's base classes
-        from kvconnectors.ray.backend import TieredConnectorBackend
-
-        return TieredConnectorBackend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _register_on_import()

@@ -37,7 +37,7 @@ from kvconnectors.tiered.metrics import Metric
 from kvconnectors.transport import wire
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import store_status
-from kvconnectors.transport.push import parse_target
+from kvconnectors.transport.protocol import parse_target
 
 logger = get_logger(__name__)
 

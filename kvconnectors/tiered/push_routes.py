@@ -14,7 +14,7 @@ the fragment's own id (`fragment_id`: the transfer id and the producer rank) wit
 of rows that hold that many of the consumer rank's heads (`KVLayout.with_heads`) and the head range
 they fill (wire.Push.heads). Each fragment is an ordinary pushed entry on the landing side (its own
 owner, lease and seal; a fragment row takes a whole landing slot); the consumer waits for all of
-them and copies each one's heads into its rows (worker._load_fragments), or pulls its slices when
+them and copies each one's heads into its rows (landed.LandedReader.load_fragments), or pulls its slices when
 any is missing. A producer rank serving one consumer rank through two separate head runs (never
 with vLLM's head split) is `NotPushable`, said once per address and no failure: that rank pulls.
 """

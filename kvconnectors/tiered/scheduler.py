@@ -26,7 +26,7 @@ from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.peers import PeerPolicy
 from kvconnectors.tiered.push_routes import fragment_id
-from kvconnectors.transport.push import parse_target
+from kvconnectors.transport.protocol import parse_target
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

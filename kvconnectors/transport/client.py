@@ -2,7 +2,7 @@
 
 Every call has a deadline; a dead or silent producer surfaces as a typed TransferError
 (peer_unreachable / timeout), never as a hang. How the bytes of a read travel is the data path's
-business (paths.py); this module speaks the control protocol around it.
+business (paths/); this module speaks the control protocol around it.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from kvconnectors.errors import ConfigError, FailureCause, TransferError
+from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.transport import auth, wire
 from kvconnectors.transport.nixl_device import DeviceRows
 from kvconnectors.transport.paths import TCP_PULL, PullPath
+from kvconnectors.transport.protocol import check_protection, hang_up
 
 
 class _Older(Exception):
@@ -175,7 +176,7 @@ class StoreClient:
 
             send_key, recv_key = direction_keys(key, client=True)
             self.sock = SealedSocket(self.sock, send_key=send_key, recv_key=recv_key, peer=f"producer {self.address}",
-                                     on_failure=_hang_up)
+                                     on_failure=lambda sock, error: hang_up(sock))
 
     def _abort(self, deadline: float) -> None:
         """Tell the server why we hang up (it counts a failed authentication) and wait briefly for
@@ -326,25 +327,6 @@ class StoreClient:
     def status(self, deadline: float) -> wire.StatusReply:
         self._send(wire.Status())
         return self._expect(wire.StatusReply, deadline)
-
-
-def check_protection(protection: str, secret: bytes | None) -> None:
-    """The wire_protection setting of a client or server: a known value; "aead" needs the secret
-    (its keys come from the handshake the secret authenticates)."""
-    if protection not in wire.PROTECTIONS:
-        raise ConfigError("wire_protection", protection, f"must be one of {', '.join(wire.PROTECTIONS)}")
-    if protection == wire.AEAD and secret is None:
-        raise ConfigError("wire_protection", protection, (
-            f"needs the shared secret (secret_file or {auth.SECRET_ENV}): the sealing keys come from the "
-            "handshake it authenticates"))
-
-
-def _hang_up(sock, error: TransferError) -> None:
-    """A sealed record failed its tag: this connection carries nothing more."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 def store_status(host: str, port: int, *, secret: bytes | None = None, timeout_s: float = 5.0,

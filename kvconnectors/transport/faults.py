@@ -32,7 +32,7 @@ import numpy as np
 
 from kvconnectors.errors import ConfigError
 from kvconnectors.transport import tamper
-from kvconnectors.transport.paths import HungUp
+from kvconnectors.transport.protocol import HungUp
 
 Action = Literal["drop", "delay", "corrupt", "truncate", "disconnect"]
 Event = Literal["read", "renew", "release", "handshake", "push", "push_end"]
@@ -139,8 +139,8 @@ class FaultyPath:
         return getattr(self._inner, name)
 
     # pull, producer side
-    def serve(self, server, sock, read, nvme_slots, ttl, checksums, outgoing=None) -> None:
-        self._inner.serve(server, sock, read, nvme_slots, ttl, checksums,
+    def serve(self, ctx, sock, read, nvme_slots, ttl, checksums, outgoing=None) -> None:
+        self._inner.serve(ctx, sock, read, nvme_slots, ttl, checksums,
                           outgoing=self._outgoing if self._inner.streams else outgoing)
 
     def _outgoing(self, layers: Iterable[list[memoryview]], nbytes: int, slot: int) -> Iterator[list[memoryview]]:
@@ -154,14 +154,14 @@ class FaultyPath:
             yield blocks
 
     # push, landing side
-    def check(self, landing, push, rows) -> None:
-        self._inner.check(landing, push, rows)
+    def check(self, push, rows, row_bytes) -> None:
+        self._inner.check(push, rows, row_bytes)
         if self.rule.action == "truncate":
             raise HungUp()
 
     @contextmanager
-    def receive(self, landing, sock, push, conn) -> Iterator[np.ndarray]:
-        with self._inner.receive(landing, sock, push, conn) as buf:
+    def receive(self, sock, push, row_bytes, bounce) -> Iterator[np.ndarray]:
+        with self._inner.receive(sock, push, row_bytes, bounce) as buf:
             if self.rule.action == "corrupt" and self._inner.streams:
                 buf[0] = np.frombuffer(corrupted(memoryview(buf[0])), dtype=np.uint8)
             yield buf

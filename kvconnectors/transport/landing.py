@@ -84,9 +84,8 @@ from kvconnectors.store.sizes import format_size
 from kvconnectors.store.views import WriteTarget
 from kvconnectors.transport import tamper, wire
 from kvconnectors.transport.faults import FaultRule, with_fault
-from kvconnectors.transport.paths import (NIXL_BOUNCE_BYTES, PUSH_UNOFFERED, TCP_PUSH, HungUp, PushPath, hang_up,
-                                         offered, trailing_bytes)
-from kvconnectors.transport.push import MAX_PUSH_BYTES
+from kvconnectors.transport.paths import NIXL_BOUNCE_BYTES, PUSH_UNOFFERED, TCP_PUSH, PushPath, offered
+from kvconnectors.transport.protocol import MAX_PUSH_BYTES, HungUp, hang_up, trailing_bytes
 
 logger = get_logger(__name__)
 IN_PLACE_CHUNK_BYTES = 1 << 20    # tcp pushes land in the store a chunk at a time (reserved just ahead)
@@ -334,7 +333,7 @@ class Landing:
         rows = len(msg.layers) * msg.num_blocks
         try:
             path = with_fault(self._check_shape(msg), fault)
-            path.check(self, msg, rows)
+            path.check(msg, rows, self.row_bytes(msg))
         except HungUp:
             hang_up(sock)  # a fault cut the connection before its data
             return
@@ -364,7 +363,7 @@ class Landing:
             if in_place:
                 self._land_in_place(sock, msg, conn)
             else:
-                with path.receive(self, sock, msg, conn) as buf:
+                with path.receive(sock, msg, self.row_bytes(msg), conn.bounce) as buf:
                     try:
                         self._land(msg, buf, path.label, rec)
                     except TransferError:

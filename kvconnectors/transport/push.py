@@ -39,22 +39,10 @@ from kvconnectors.mover.reslice import RowLayout, pack_heads
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import StoreClient
-from kvconnectors.transport.paths import TCP_PUSH, PushPath, block_checksum, verify_checksums
+from kvconnectors.transport.paths import TCP_PUSH, PushPath
+from kvconnectors.transport.protocol import MAX_PUSH_BYTES, Addr, block_checksum, verify_checksums
 
 logger = get_logger(__name__)
-Addr = tuple[str, int]
-MAX_PUSH_BYTES = 64 << 20  # data of one Push message at most (the landing side's NIXL bounce buffer, too)
-
-
-def parse_target(value: object) -> Addr:
-    """`host:port` (IPv6 as `[addr]:port`) of a landing store, from kv_transfer_params."""
-    if not isinstance(value, str) or ":" not in value or len(value) > 300:
-        raise ValueError(f"push_target={value!r}: expected HOST:PORT")
-    host, _, port = value.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"push_target={value!r}: expected HOST:PORT with a port in 1..65535")
-    return host, int(port)
 
 
 @dataclass
@@ -211,7 +199,7 @@ class PushSender:
                     first, n = head["first_block"], head["num_blocks"]
                     nbytes = len(job.layers) * n * slot
                     self._pace(nbytes)
-                    self.path.send(client, head, pv, job.layers, first, first + n, nbytes, deadline)
+                    self.path.send(client.push, head, pv, job.layers, first, first + n, nbytes, deadline)
         except StoreFullError:
             # Staged straight to NVMe (DRAM was short): not in the arena, so send it over tcp from
             # a bounce buffer read off the disk tier. (Raised by the pin, before anything was sent.)

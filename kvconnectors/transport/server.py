@@ -52,12 +52,12 @@ from kvconnectors.store import TieredStore
 from kvconnectors.transport import auth, wire
 from kvconnectors.transport.admission import Admission, Caps, Seat, peer_key
 from kvconnectors.transport.auth import Session
-from kvconnectors.transport.client import check_protection
 from kvconnectors.transport.faults import FaultPlan, FaultRule, with_fault
 from kvconnectors.transport.landing import ConnectionState, Landing
 from kvconnectors.transport.nixl import NixlSource
-from kvconnectors.transport.paths import (PULL_UNOFFERED, SHM_PULL, TCP_PULL, NixlPull, PullPath, TcpHeadsPull,
-                                         offered, trailing_bytes)
+from kvconnectors.transport.paths import (PULL_UNOFFERED, SHM_PULL, TCP_PULL, NixlPull, PullPath, ReadContext, TcpHeadsPull,
+                                         offered)
+from kvconnectors.transport.protocol import check_protection, peer_name, trailing_bytes
 
 logger = get_logger(__name__)
 MAX_RENEW = wire.MAX_RENEW  # transfer ids per Renew message
@@ -290,7 +290,7 @@ class StoreServer:
 
     # ------------------------------------------------------------------ per connection
     def _serve_connection(self, sock: socket.socket, seat: Seat, accepted_at: float | None = None) -> None:
-        conn = ConnectionState(_peer(sock))
+        conn = ConnectionState(peer_name(sock))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             session = self._handshake(sock, (accepted_at or time.monotonic()) + self.handshake_timeout_s, seat)
@@ -321,7 +321,7 @@ class StoreServer:
         except Exception as exc:  # a bug: close this connection, log it (rate-limited), keep serving
             self.counters.reject("internal")
             self.log.warning("internal", "store server: internal error on the connection from %s: %r",
-                             _peer(sock), exc, exc_info=True)
+                             peer_name(sock), exc, exc_info=True)
         finally:
             if self.landing is not None and conn.open:
                 try:
@@ -359,7 +359,7 @@ class StoreServer:
         """The peer's session once it is admitted; None when refused, or when its `seat` was given to
         another connection before the last answer (which is then not sent: the peer sees the close
         before anything was done, and may connect again). `deadline` bounds every step together."""
-        peer = _peer(sock)
+        peer = peer_name(sock)
         try:
             hello = wire.recv_msg(sock, deadline=deadline)
         except TransferError as exc:
@@ -578,19 +578,18 @@ class StoreServer:
         sums = (self.store.checksums(msg.transfer_id) or {}).get("xxh3")
         checksums = None if sums is None else [
             sums[layer * info.num_blocks + b] for layer in msg.layers for b in range(msg.first_block, last)]
-        path.serve(self, sock, msg, info.nvme_slots, ttl, checksums)
+        path.serve(self._read_context(), sock, msg, info.nvme_slots, ttl, checksums)
 
     # ------------------------------------------------------------------ for the data paths
+    def _read_context(self) -> ReadContext:
+        """What a path's source end is given to serve one read: never this server itself."""
+        return ReadContext(store=self.store, idle_timeout_s=self.idle_timeout_s, count_read=self.count_read,
+                           reject=self.counters.reject, finish_offset_read=self.finish_offset_read, log=logger)
+
     def count_read(self, nbytes: int) -> None:
         with self._lock:
             self.counters.bytes_sent += nbytes
             self.counters.reads += 1
-
-    def log_failed_read(self, msg: wire.Read, sent: int, nbytes: int, exc: TransferError) -> None:
-        logger.warning("read of %s failed after %d of %d bytes: %s", msg.transfer_id, sent, nbytes, exc)
-
-    def log_unreleased(self, msg: wire.Read, path: str, sock: socket.socket, exc: TransferError) -> None:
-        logger.info("%s read of %s by %s ended without a release: %s", path, msg.transfer_id, _peer(sock), exc)
 
     def finish_offset_read(self, sock: socket.socket, msg: wire.Read, path: str, done: wire.Message,
                            nbytes: int) -> None:
@@ -605,7 +604,7 @@ class StoreServer:
         elif isinstance(done, wire.Ack) and done.ok:
             self.count_read(nbytes)
         elif isinstance(done, wire.Ack) and not done.ok:
-            logger.info("consumer %s failed its %s read of %s: [%s] %s", _peer(sock), path,
+            logger.info("consumer %s failed its %s read of %s: [%s] %s", peer_name(sock), path,
                         msg.transfer_id, done.cause, done.message)
         elif not isinstance(done, wire.Ack):
             self.counters.reject("protocol")
@@ -665,13 +664,6 @@ class StoreServer:
 
 _SEALED_PATHS = ("inline", "inline_heads", "shm")  # aead: on the sealed socket, or same-host memory (never the network)
 MAX_BLOCKS = 1 << 24  # blocks of one read (a prompt of 16M tokens at block size 1)
-
-
-def _peer(sock: socket.socket) -> str:
-    try:
-        return "%s:%s" % sock.getpeername()[:2]
-    except OSError:
-        return "?"
 
 
 def _close_now(sock: socket.socket) -> None:

@@ -21,8 +21,8 @@ from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.hosts import NETNS_DIR
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
-from kvconnectors.testing.rayapps import (MODEL, app_config, assert_backend_found, chat, colocated_outputs,
-                                          store_when_empty)
+from kvconnectors.integration.ray.testapp import (MODEL, app_config, assert_backend_found, chat, colocated_outputs,
+                                                 store_when_empty)
 from kvconnectors.serving import complete
 from kvconnectors.testing.raycluster import RayCluster, RayNode
 

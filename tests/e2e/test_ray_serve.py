@@ -25,8 +25,8 @@ from kvconnectors.serving import complete, free_port, free_port_block
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
 from kvconnectors.testing.prompts import block_edge_lengths, token_prompts
-from kvconnectors.testing.rayapps import (MODEL, app_config, assert_backend_found, chat, colocated_outputs,
-                                          store_when_empty, token_ids)
+from kvconnectors.integration.ray.testapp import (MODEL, app_config, assert_backend_found, chat, colocated_outputs,
+                                                 store_when_empty, token_ids)
 from kvconnectors.testing.raycluster import RayCluster, RayNode
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 from types import SimpleNamespace
 
 import pytest
 
 from kvconnectors.errors import ConfigError, FailureCause, TransferError
 from kvconnectors.tiered.config import TieredConfig
+from kvconnectors.tiered.links import PeerLinks
 from kvconnectors.transport.auth import SECRET_ENV, load_secret
+from kvconnectors.transport.paths import TCP_PUSH
 
 from sec_helpers import SECRET
 
@@ -89,17 +90,14 @@ def test_the_default_allows_loopback_and_own_subnets_only() -> None:
     assert "kv_transfer_params.kvc.addrs[0]='203.0.113.9'" in exc.value.detail and "allowed_peers" in exc.value.detail
 
 
-def _worker(allowed: list[str] | None, tp_rank: int = 0):
-    """The worker's ticket checks on a stand-in (its methods, none of vLLM)."""
-    from kvconnectors.tiered.worker import TieredConnectorWorker
+def _links(allowed: list[str] | None) -> PeerLinks:
+    """The worker's connections to peers, whose own address (10.0.0.9) is always allowed."""
     from kvconnectors.transport.peers import PeerPolicy
 
-    w = TieredConnectorWorker.__new__(TieredConnectorWorker)
-    w.config = TieredConfig.from_extra({"allowed_peers": allowed} if allowed is not None else {})
-    w.layout = SimpleNamespace(tp_rank=tp_rank)
-    w._peers = PeerPolicy.from_setting(w.config.allowed_peers, ("10.0.0.9",))  # its own address: always allowed
-    w._secret, w._compat, w.engine_id = None, w.config.compat, "e"
-    return w
+    config = TieredConfig.from_extra({"allowed_peers": allowed} if allowed is not None else {})
+    links = PeerLinks(config, "e", None)
+    links.peers = PeerPolicy.from_setting(config.allowed_peers, ("10.0.0.9",))
+    return links
 
 
 def test_a_ticket_naming_a_host_outside_allowed_peers_is_refused_before_any_connection() -> None:
@@ -113,7 +111,7 @@ def test_a_ticket_naming_a_host_outside_allowed_peers_is_refused_before_any_conn
                                          num_tokens=1, num_blocks=1, block_size=16, fingerprint="f",
                                          prompt_hash="h", lease_ttl_s=1, issued_at=0, token=kvparams.new_token())
         with pytest.raises(TransferError) as exc:
-            _worker(["10.0.0.0/8"])._producer_client(ticket, 0)
+            _links(["10.0.0.0/8"]).producer(ticket, 0)
         assert exc.value.cause is FailureCause.BAD_PARAMS
         assert "kv_transfer_params.kvc.addrs[0]='127.0.0.1'" in exc.value.detail, exc.value
         with pytest.raises(socket.timeout):
@@ -126,21 +124,24 @@ def test_a_push_target_outside_allowed_peers_is_refused_naming_field_and_value(c
     """Checked before anything connects (not even the ask for the decode's TP size); the transfer is
     staged for a pull, the refusal logged and counted. An allowed target is asked, then pushed to."""
     from kvconnectors.tiered.push_routes import ConsumerSizes
-    from kvconnectors.tiered.stats import TieredStats
+    from kvconnectors.tiered.pushes import PushBook
+    from kvconnectors.tiered.results import LoadResults
 
-    w = _worker(["10.0.0.0/8"], tp_rank=1)
-    w.layout = SimpleNamespace(tp_rank=1, tp_size=2)
+    links, results = _links(["10.0.0.0/8"]), LoadResults()
+    layout = SimpleNamespace(tp_rank=1, tp_size=2, rows_fingerprint="f", num_layers=1)
+    book = PushBook(None, layout, None, links.config, links, TCP_PUSH, results.record, on_lost=lambda tid, e: None)
     asked: list[tuple[str, int]] = []
-    w._consumer_sizes = ConsumerSizes(lambda host, port: asked.append((host, port)) or 2, 2)
-    w._push_targets, w._push_open, w._said_not_pushable = {}, {}, set()
-    w._lock, w.stats, w.totals, w._row_layout = threading.RLock(), TieredStats(), TieredStats(), None
-    w._set_push_target("t1", "192.168.77.1:7000")
-    assert asked == [] and "t1" not in w._push_targets
-    assert w.totals.data["failures"] == {"push_bad_params": 1}
-    assert "kv_transfer_params.push_target='192.168.77.1'" in caplog.text, caplog.text
-    w._set_push_target("t2", "10.9.8.7:7000")
-    assert asked == [("10.9.8.7", 7000)]
-    assert [r.target for r in w._push_targets["t2"]] == [("10.9.8.7", 7001)]  # rank r: port + r
+    book._sizes = ConsumerSizes(lambda host, port: asked.append((host, port)) or 2, 2)
+    try:
+        book.start("t1", "192.168.77.1:7000")
+        assert asked == [] and book.routes("t1") == []
+        assert results.totals.data["failures"] == {"push_bad_params": 1}
+        assert "kv_transfer_params.push_target='192.168.77.1'" in caplog.text, caplog.text
+        book.start("t2", "10.9.8.7:7000")
+        assert asked == [("10.9.8.7", 7000)]
+        assert [r.target for r in book.routes("t2")] == [("10.9.8.7", 7001)]  # rank r: port + r
+    finally:
+        book.close()
 
 
 def test_the_scheduler_stages_a_disallowed_push_target_for_a_pull(caplog) -> None:

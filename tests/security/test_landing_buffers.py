@@ -120,7 +120,7 @@ def test_many_connections_pushing_at_once_all_land_within_the_cap() -> None:
 
 
 def test_the_default_cap_holds_two_of_the_largest_pushes_a_sender_sends() -> None:
-    from kvconnectors.transport.push import MAX_PUSH_BYTES
+    from kvconnectors.transport.protocol import MAX_PUSH_BYTES
 
     srv = LandingServer(dram_slots=16)  # a tiny store: the floor
     try:

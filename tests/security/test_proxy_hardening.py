@@ -380,7 +380,7 @@ def test_transfer_plane_keys_are_refused_unless_unlocked(key, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--forward-kv-params" in err and repr(key) in err, err
 
-    backend = pytest.importorskip("kvconnectors.ray.backend")
+    backend = pytest.importorskip("kvconnectors.integration.ray.backend")
     with pytest.raises(ConfigError) as refused:
         backend.forwarded_keys({backend.FORWARD_KV_PARAMS: [key]})
     message = str(refused.value)

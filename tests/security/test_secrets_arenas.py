@@ -108,7 +108,7 @@ def test_loopback_spellings_need_no_secret() -> None:
 def test_ray_store_planning_refuses_a_node_address_without_a_secret(monkeypatch, tmp_path) -> None:
     """The Ray backend's rules (no Ray needed): the node's IP without a secret is refused, not
     warned about; every wildcard spelling gets advertise_host; allow_insecure or a secret passes."""
-    from kvconnectors.ray import stores
+    from kvconnectors.integration.ray import stores
 
     node = "192.0.2.7"
 

@@ -1,7 +1,7 @@
 """Issue 16, finding 8: the shm consumer trusted the producer's `shm_path`. A fake producer made it
 copy an arbitrary file into KV blocks, and a FIFO path blocked a pull past its deadline.
 
-Now (transport/paths.py, `_shm_arena`) the consumer maps only SHM_DIR/<a store's shm_name>: a
+Now (transport/paths/shm.py, `_shm_arena`) the consumer maps only SHM_DIR/<a store's shm_name>: a
 symlink, FIFO, device, socket or directory is refused from its lstat, never opened; the name is
 opened with O_NOFOLLOW | O_NONBLOCK, and mapped only when fstat says it is a regular file owned by
 this user, whose size is whole slots and at least the slots the read needs, and whose exclusive
@@ -33,8 +33,9 @@ import pytest
 from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.store import arena as arena_mod
 from kvconnectors.store.arena import SHM_DIR, ArenaRefused, DramArena
-from kvconnectors.transport import paths, wire
-from kvconnectors.transport.paths import SHM_PULL
+from kvconnectors.transport import wire
+from kvconnectors.transport.paths import shm as paths
+from kvconnectors.transport.paths.shm import SHM_PULL
 
 pytestmark = pytest.mark.timeout(60)
 

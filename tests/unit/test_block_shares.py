@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from kvconnectors.errors import FailureCause, TransferError
-from kvconnectors.transport import block_shares
+from kvconnectors.mover import block_shares
 
 SLOT = 256
 

@@ -7,7 +7,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from kvconnectors.transport.block_views import BlockViews
+from kvconnectors.mover.block_views import BlockViews
 
 
 def _layers(n_layers: int = 3, blocks: int = 8, row: int = 64) -> list[np.ndarray]:

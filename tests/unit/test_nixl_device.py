@@ -304,19 +304,14 @@ def test_vram_registration_failure_and_missing_vram_fall_back_and_close_the_agen
     assert sink is None and fb.reason == "agent" and "no UCX backend" in fb.detail
 
 
-def _worker(transport="nixl", checksum=False):
-    from kvconnectors.tiered.config import TieredConfig
-    from kvconnectors.tiered.layout import layout_of
-    from kvconnectors.tiered.worker import TieredConnectorWorker
+def _rank(transport="nixl", checksum=False):
+    """One consumer rank's pull paths, with the results they record into."""
+    from kvconnectors.tiered.pull_paths import PullPaths
+    from kvconnectors.tiered.results import LoadResults
 
-    vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(is_kv_producer=False, is_kv_consumer=True),
-        cache_config=SimpleNamespace(block_size=16), parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        model_config=SimpleNamespace(served_model_name="m"))
-    w = TieredConnectorWorker(vllm_config, TieredConfig(transport=transport, checksum=checksum), "engine")
-    w.geometry, _ = _geometry("LBHNC")
-    w.layout = layout_of(w.geometry, 16)
-    return w
+    geometry, _ = _geometry("LBHNC")
+    results = LoadResults()
+    return PullPaths(transport, "engine", 0, geometry, loader=None, record=results.record, checksum=checksum), results
 
 
 def test_worker_says_a_failed_registration_once_counts_it_once_per_rank(fake, caplog):
@@ -326,33 +321,39 @@ def test_worker_says_a_failed_registration_once_counts_it_once_per_rank(fake, ca
     from kvconnectors.transport.paths import TCP_PULL
 
     fake.settings["fail_register"] = "NIXL_ERR_BACKEND"
-    ranks = [_worker(), _worker()]
+    ranks = [_rank(), _rank()]
     try:
         with caplog.at_level(logging.WARNING, logger="kvconnectors"):
-            for w in ranks:
-                w._open_nixl_device()
+            for paths, _ in ranks:
+                paths.open_device()
             for _ in range(3):
-                assert ranks[0]._pull_path(SimpleNamespace(req_id="r"), SimpleNamespace(shm_path=""),
-                                           direct=False) is TCP_PULL
+                assert ranks[0][0].for_ticket(SimpleNamespace(req_id="r"), SimpleNamespace(shm_path=""),
+                                              direct=False) is TCP_PULL
         lines = [r for r in caplog.records if "not READing into device memory" in r.getMessage()]
         assert len(lines) == 2 and all(r.levelno == logging.WARNING for r in lines)  # one per rank
         assert "registration" in lines[0].getMessage() and "NIXL_ERR_BACKEND" in lines[0].getMessage()
         assert not [r for r in caplog.records if "not registered with NIXL" in r.getMessage()]
-        assert ranks[0]._nixl_device is None
-        assert ranks[0].totals.data["nixl_vram_fallbacks"] == {"registration": 1}
-        assert ranks[0].totals.data["path_fallbacks"] == {"nixl->tcp": 3}
-        merged = ranks[0].get_stats().aggregate(ranks[1].get_stats())
+        assert ranks[0][0].device is None
+        totals = ranks[0][1].totals.data
+        assert totals["nixl_vram_fallbacks"] == {"registration": 1}
+        assert totals["path_fallbacks"] == {"nixl->tcp": 3}
+        merged = ranks[0][1].report(None).aggregate(ranks[1][1].report(None))
         assert merged.data["nixl_vram_fallbacks"] == {"registration": 2}
         assert merged.reduce()["NIXL VRAM fallbacks (registration)"] == 2
     finally:
-        for w in ranks:
-            w.shutdown()
+        for paths, _ in ranks:
+            paths.close()
 
 
-def test_worker_with_registered_vram_pulls_into_device_rows(fake, monkeypatch):
-    """Registration ok: the worker holds the direct path, and a load READs (layer, block) device rows
+def test_worker_with_registered_vram_pulls_into_device_rows(fake):
+    """Registration ok: the rank holds the direct path, and a load READs (layer, block) device rows
     with verify as configured (off), counted under nixl_vram; the agent is closed at shutdown."""
-    w = _worker()
+    from kvconnectors.tiered.config import TieredConfig
+    from kvconnectors.tiered.layout import layout_of
+    from kvconnectors.tiered.load import Load
+    from kvconnectors.tiered.puller import Puller
+
+    paths, results = _rank()
     seen = {}
 
     class Client:
@@ -366,17 +367,27 @@ def test_worker_with_registered_vram_pulls_into_device_rows(fake, monkeypatch):
             seen.update(dest=dest, **kw)
             return len(dest) * dest.row_bytes
 
-    monkeypatch.setattr(w, "_producer_client", lambda p, rank: Client())
+    class Links:  # the producer connections the puller is given
+        def producer(self, p, rank):
+            return Client()
+
+    geometry = paths.geometry
+    puller = Puller(layout_of(geometry, 16), geometry, row_layout=None, config=TieredConfig(transport="nixl",
+                    checksum=False), links=Links(), paths=paths, loader=None, results=results, resliced=None,
+                    landed=None)
     try:
-        w._open_nixl_device()
-        assert isinstance(w._nixl_device, NixlDevicePull) and w.totals.data["nixl_vram_fallbacks"] == {}
-        out = w._pull_to_device(SimpleNamespace(first_block=0), SimpleNamespace(transfer_id="t", token="k", fingerprint="f"),
-                                range(3), [4, 1], time.monotonic() + 5)
-        assert out == {"nixl_vram": 6 * w.geometry.block_bytes}
-        assert seen["path"] is w._nixl_device and seen["verify"] is False
-        assert seen["dest"].addrs.tolist() == nd.device_rows(w.geometry, range(3), [4, 1]).addrs.tolist()
+        paths.open_device()
+        assert isinstance(paths.device, NixlDevicePull) and results.totals.data["nixl_vram_fallbacks"] == {}
+        load = Load(SimpleNamespace(first_block=0), SimpleNamespace(transfer_id="t", token="k", fingerprint="f"),
+                    [4, 1], None)
+        out = puller._to_device(load, time.monotonic() + 5)
+        assert out == {"nixl_vram": geometry.num_layers * 2 * geometry.block_bytes}
+        assert seen["path"] is paths.device and seen["verify"] is False
+        rows = nd.device_rows(geometry, range(geometry.num_layers), [4, 1])
+        assert seen["dest"].addrs.tolist() == rows.addrs.tolist()
     finally:
-        w.shutdown()
+        puller.close()
+        paths.close()
     assert fake.agents[0].deregistered  # the VRAM registration ended with the agent
 
 

@@ -124,7 +124,7 @@ def test_wheel_builds_and_ships_the_native_copy(installed: Installed) -> None:
     names = zipfile.ZipFile(installed.wheel).namelist()
     assert any(n.startswith("kvconnectors/_blockcopy") and n.endswith(".so") for n in names), names
     out = installed.run(str(installed.python), "-c",
-                        "import kvconnectors._blockcopy as b, kvconnectors.transport.block_shares as s; "
+                        "import kvconnectors._blockcopy as b, kvconnectors.mover.block_shares as s; "
                         "print(b.__file__, s.native is b)")
     path, same = out.split()
     assert same == "True" and str(REPO) not in path and path.startswith(str(installed.purelib.parent.parent)), out

@@ -1,4 +1,4 @@
-"""Data paths as objects (transport/paths.py): a new path is one class, given to the server and the
+"""Data paths as objects (transport/paths/): a new path is one class, given to the server and the
 client that use it; metric labels are the paths' own; fault injection wraps a path.
 
 Seen to fail: with the pattern path left out of the server's `paths`, the read is refused
@@ -19,7 +19,8 @@ from kvconnectors.store import StoreConfig, TieredStore
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.faults import FaultPlan, FaultRule, FaultyPath, with_fault
-from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, TCP_PUSH, NixlPull, NixlPush, TcpPull
+from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, TCP_PUSH, NixlPull, NixlPush, ReadContext, TcpPull
+from kvconnectors.transport.paths.fake import FakeMedium, FakePull
 from kvconnectors.transport.server import StoreServer
 
 SLOT, LAYERS, BLOCKS = 4096, 2, 3
@@ -31,8 +32,8 @@ class PatternPath(TcpPull):
     """A made-up path: streams like tcp, but serves a fixed pattern instead of the store's bytes."""
     name, label = "pattern", "pattern"
 
-    def serve(self, server, sock, read, nvme_slots, ttl, checksums, outgoing=None) -> None:
-        n = len(read.layers) * read.num_blocks * server.store.slot_bytes
+    def serve(self, ctx, sock, read, nvme_slots, ttl, checksums, outgoing=None) -> None:
+        n = len(read.layers) * read.num_blocks * ctx.store.slot_bytes
         wire.send_msg(sock, wire.ReadReply(ok=True, nbytes=n, lease_ttl_s=ttl))
         wire.send_all(sock, [memoryview(np.full(n, 0xA5, dtype=np.uint8))])
 
@@ -103,17 +104,24 @@ def test_data_faults_wrap_the_path_and_control_faults_do_not() -> None:
         store.close()
 
 
-class _Server:
-    """What TcpPull.serve asks of its server, without the sockets and threads of a real one."""
+class _Log:
+    """Collects what a source end logs."""
 
-    def __init__(self, store: TieredStore):
-        self.store, self.reads, self.failed = store, 0, []
+    def __init__(self) -> None:
+        self.lines: list[str] = []
 
-    def count_read(self, nbytes: int) -> None:
-        self.reads += 1
+    def warning(self, msg, *args) -> None:
+        self.lines.append(msg % args)
 
-    def log_failed_read(self, read, sent, nbytes, exc) -> None:
-        self.failed.append(exc)
+    info = warning
+
+
+def _context(store: TieredStore) -> tuple[ReadContext, list[int], _Log]:
+    """What TcpPull.serve is given by a server, without the sockets and threads of a real one."""
+    reads: list[int] = []
+    log = _Log()
+    return ReadContext(store=store, idle_timeout_s=5.0, count_read=reads.append, reject=lambda reason: None,
+                       finish_offset_read=lambda *a: None, log=log), reads, log
 
 
 def test_an_entry_spilled_after_the_servers_look_is_streamed_from_the_tiers(tmp_path) -> None:
@@ -144,12 +152,60 @@ def test_an_entry_spilled_after_the_servers_look_is_streamed_from_the_tiers(tmp_
         a, b = socket.socketpair()
         with a, b, store.pinned_views("new", [0, 1]):  # DRAM pinned: "old" cannot come back
             b.settimeout(10)
-            server = _Server(store)
-            TCP_PULL.serve(server, a, read, 0, 30.0, None)  # stale: "no NVMe slots"
+            ctx, reads, log = _context(store)
+            TCP_PULL.serve(ctx, a, read, 0, 30.0, None)  # stale: "no NVMe slots"
             reply = wire.recv_msg(b, deadline=time.monotonic() + 10)
             got = np.empty(data.size, dtype=np.uint8)
             wire.recv_exact(b, memoryview(got), time.monotonic() + 10)
-        assert reply.ok and reply.nbytes == data.size and server.reads == 1 and not server.failed
+        assert reply.ok and reply.nbytes == data.size and reads == [data.size] and not log.lines
         assert np.array_equal(got, data.reshape(-1))
     finally:
+        store.close()
+
+
+def test_the_fake_pair_carries_a_read_through_the_real_server_and_client() -> None:
+    """FakePull (paths/fake.py): the control protocol runs for real, the bytes go through memory;
+    the entry is released after the sink end, as for shm."""
+    medium = FakeMedium()
+    store, srv = _staged_server(paths=[TCP_PULL, FakePull(medium)])
+    dest_buf = np.zeros((LAYERS * BLOCKS, SLOT), dtype=np.uint8)
+    try:
+        with StoreClient("127.0.0.1", srv.port, compat=COMPAT) as c:
+            got = c.read("t", range(LAYERS), 0, [memoryview(r) for r in dest_buf], fingerprint=FP,
+                         deadline=time.monotonic() + 5, path=FakePull(medium))
+        assert got == dest_buf.nbytes == medium.carried
+        want = np.arange(LAYERS * BLOCKS * SLOT, dtype=np.uint32).astype(np.uint8).reshape(-1, SLOT)
+        assert np.array_equal(dest_buf, want)
+        deadline = time.monotonic() + 5
+        while store.contains("t") and time.monotonic() < deadline:  # released by the client's Release
+            time.sleep(0.01)
+        assert not store.contains("t")
+    finally:
+        srv.close()
+        store.close()
+
+
+def test_a_fake_medium_that_corrupts_a_row_fails_the_read_and_keeps_the_entry() -> None:
+    """A handler on the fake medium stands in for a medium that delivers the wrong bytes: the
+    client's checksum check names the block, answers Ack(ok=False), and the producer keeps the
+    entry for a retry. Seen to fail: with verify=False the read succeeds on the corrupted bytes."""
+    def flip_block_4(read, rows):
+        rows = rows.copy()
+        rows[4] ^= 0xFF
+        return rows
+
+    medium = FakeMedium(handler=flip_block_4)
+    store, srv = _staged_server(paths=[TCP_PULL, FakePull(medium)])
+    dest = [memoryview(bytearray(SLOT)) for _ in range(LAYERS * BLOCKS)]
+    try:
+        with StoreClient("127.0.0.1", srv.port, compat=COMPAT) as c:
+            with pytest.raises(TransferError, match="block 4 of 6") as exc:
+                c.read("t", range(LAYERS), 0, dest, fingerprint=FP, deadline=time.monotonic() + 5,
+                       path=FakePull(medium))
+            assert exc.value.cause is FailureCause.CHECKSUM_MISMATCH
+            medium.handler = None  # the same connection stays in step: the retry reads it whole
+            assert c.read("t", range(LAYERS), 0, dest, fingerprint=FP, deadline=time.monotonic() + 5,
+                          path=FakePull(medium)) == LAYERS * BLOCKS * SLOT
+    finally:
+        srv.close()
         store.close()

@@ -22,7 +22,8 @@ from kvconnectors.transport.faults import FaultPlan
 from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.nixl import nixl_import_error
 from kvconnectors.transport.paths import TCP_PUSH, NixlPush
-from kvconnectors.transport.push import PushJob, PushSender, parse_target
+from kvconnectors.transport.protocol import parse_target
+from kvconnectors.transport.push import PushJob, PushSender
 from kvconnectors.transport.server import StoreServer
 
 SLOT = 4096
@@ -418,7 +419,7 @@ def test_a_stalled_nixl_producer_holds_the_landing_side_for_a_bounded_time() -> 
     """The landing side READs nixl pushes through one bounce buffer: a producer that stops answering
     must not hold it for a minute. Each READ's deadline follows its size (a floor of a few seconds),
     and the READ that runs out fails that transfer alone."""
-    from kvconnectors.transport import paths as landing_mod  # the nixl landing path's READ bounds
+    from kvconnectors.transport.paths import nixl as landing_mod  # the nixl landing path's READ bounds
     from kvconnectors.transport.landing import ConnectionState
 
     deadlines: list[float] = []
@@ -443,7 +444,7 @@ def test_a_stalled_nixl_producer_holds_the_landing_side_for_a_bounded_time() -> 
         conn = ConnectionState("producer")
         landing._claim(msg, conn)
         with pytest.raises(TransferError) as exc:
-            with landing.paths["nixl"].receive(landing, None, msg, conn):
+            with landing.paths["nixl"].receive(None, msg, landing.row_bytes(msg), conn.bounce):
                 pass
         assert exc.value.cause is FailureCause.TIMEOUT
         (left,) = deadlines

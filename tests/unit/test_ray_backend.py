@@ -1,6 +1,6 @@
-"""TieredConnector's Ray Serve LLM backend (kvconnectors/ray/) against Ray's real classes, no cluster:
-registration, request shaping (pull, push), addresses, ports, the secret; the ray extra; the Serve
-config and the KubeRay manifests (integration/ray/)."""
+"""TieredConnector's Ray Serve LLM backend against Ray's real classes, no cluster: registration
+(kvconnectors/ray/), request shaping (pull, push), addresses, ports, the secret (integration/ray/backend.py,
+stores.py); the ray extra; the Serve config and the KubeRay manifests (integration/ray/)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PD
 import kvconnectors.ray as kray  # noqa: E402
 from kvconnectors import registry, serving  # noqa: E402
 from kvconnectors.errors import ConfigError  # noqa: E402
+from kvconnectors.integration.ray import backend as kbackend  # noqa: E402
 from kvconnectors.integration.ray import manifests  # noqa: E402
-from kvconnectors.ray import backend as kbackend  # noqa: E402
 from kvconnectors.transport.auth import SECRET_ENV  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -268,7 +268,7 @@ def test_tiers_saves_its_run(tmp_path):
 
 def test_every_benchmark_and_the_demo_take_results_dir():
     from kvconnectors.benchmarks import cli as bench_cli
-    from kvconnectors import demo
+    from kvconnectors.benchmarks import demo
 
     for name, (module_name, _) in bench_cli.BENCHMARKS.items():
         parser = argparse.ArgumentParser()

@@ -76,7 +76,7 @@ def stage(producers, tid: str, token: str, ids: list[int] = PRODUCER_IDS, push_t
             w.save_kv_layer(meta, name)
         w.wait_for_save(meta)
     for w in producers:
-        assert w.pusher.flush(10)
+        assert w.staging.pushes.sender.flush(10)
     metas = [w.get_handshake_metadata() for w in producers]
     ticket = kvparams.TransferParams(
         v=kvparams.PARAMS_VERSION, transfer_id=tid, addrs=[kvparams.PeerAddress(m.host, m.port) for m in metas],

@@ -1,6 +1,7 @@
 """The Ray Serve LLM P/D app of the tests: integration/ray/serve_pd_cpu.yaml with only what a test must
 set (the model's path, where Serve listens, replica counts, push mode, placement, test hooks), and
-the client calls and log reads the Ray tests share (tests/e2e/test_ray_*.py)."""
+the client calls and log reads the Ray tests share (tests/e2e/test_ray_*.py). Here, beside the Serve
+config it edits: kvconnectors/ never imports the integration folder."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""TieredConnectorBackend: Ray Serve LLM's connector backend for TieredConnector.
+"""TieredConnectorBackend: Ray Serve LLM's connector backend for TieredConnector. Ray imports it in each
+replica by the path that kvconnectors.ray registers (BACKEND_PATH).
 
 Ray runs `setup()` in every prefill and decode replica before it builds the engine, and the decode
 replica (Ray's P/D orchestrator) calls `prepare_prefill_request` / `prepare_decode_request` per
@@ -23,8 +24,8 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorB
 from kvconnectors import serving
 from kvconnectors.errors import ConfigError
 from kvconnectors.integration.proxy import check_forwarded_keys, prefill_kv_params  # as our proxy does
+from kvconnectors.integration.ray import stores
 from kvconnectors.logs import get_logger
-from kvconnectors.ray import stores
 
 if TYPE_CHECKING:
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig

@@ -4,6 +4,9 @@ Generates the tiny model, computes a colocated reference, launches one prefill a
 `vllm serve` instance with TieredConnector plus the P/D proxy, sends a streaming workload
 through the proxy (progress bar), checks every output token for token against the colocated
 run, prints TTFT/ITL percentiles, bytes moved, transfer GB/s and failures, and writes a plot.
+
+It lives with the benchmarks: like `bench e2e` it drives integration/'s PDCluster and workload and
+records its result as they do (common.save_results), and kvconnectors/ imports neither folder.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the demo prints its own story; logs go to --out
+    import vllm  # noqa: F401 - without vLLM, fail now (the CLI names the extra), before the model is generated
     from kvconnectors.testing.engines import generate_ids, llm_engine
     from kvconnectors.testing.tinymodel import ensure_tiny_model
 
