@@ -276,13 +276,13 @@ def test_wrong_secret_is_refused_and_counted(tiny_model, prompts, colocated, tmp
     with llm_engine(tiny_model, kv_transfer_config=tiered(secret_file=str(secret))) as llm:
         tickets = prefill(llm, prompts[:3])
         w = worker_connector().connector_worker
-        good = w._secret
-        monkeypatch.setattr(w, "_secret", b"not the secret, not at all")
+        good = w.links.secret
+        monkeypatch.setattr(w.links, "secret", b"not the secret, not at all")
         outs = decode(llm, prompts[:1], tickets[:1], MAX_TOKENS)
         assert outs[0].outputs[0].finish_reason == "error"
         assert w.totals.data["failures"] == {"auth": 1}, w.totals.data["failures"]
         assert w.server.counters.auth_failures == 1
-        monkeypatch.setattr(w, "_secret", good)
+        monkeypatch.setattr(w.links, "secret", good)
         outs = decode(llm, prompts[1:3], tickets[1:3], MAX_TOKENS)
         assert_same_tokens(colocated[1:3], [list(o.outputs[0].token_ids) for o in outs])
         w.store.release(tickets[0]["kvc"]["transfer_id"])  # an unauthenticated peer cannot release it
