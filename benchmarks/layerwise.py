@@ -8,16 +8,16 @@ What runs is the connector's real push path, in one process, with no vLLM: the p
 consumer's KV caches are torch tensors in vLLM's LBHNC layout (one allocation, a [blocks, 1, 1, slot]
 view per layer, described by kvconnectors.mover.describe_kv_caches), and the bytes move through the
 connector's own data mover (kvconnectors.mover, CpuOps: a copy thread as the copy stream). After
-every layer's compute the "forward" hands the layer to a single staging thread (worker.py's
-save_kv_layer -> its kvc-stage executor), which has the mover's Stager copy the layer's blocks
+every layer's compute the "forward" hands the layer to a single staging thread (the worker's
+save_kv_layer -> the staging book's kvc-stage executor, tiered/staging.py), which has the mover's Stager copy the layer's blocks
 straight into the producer TieredStore's slots (Stager.stage: begin_write + the gather on the copy
 stream) and waits for that copy, checksums the rows (xxh3) and commits them (Stager.complete). A
 PushSender streams PushJobs over TCP loopback to a consumer StoreServer whose Landing lands,
 verifies and seals them; the consumer copies the sealed blocks into its own KV cache blocks (as
-worker.py's _load_landed does: read_into a host buffer, then Loader.load into the blocks, waited
+tiered/landed.py's LandedReader.load does: read_into a host buffer, then Loader.load into the blocks, waited
 for). Layer-wise: every --group layers the staging thread submits a PushJob of those layers; at the
 last layer it seals the producer's copy and submits the rest in a last Push that also seals the
-landing copy (worker.py's _seal_transfer, called from the stager). Bulk: that one sealing Push, of
+landing copy (tiered/staging.py's _seal_transfer, called from the stager). Bulk: that one sealing Push, of
 all layers.
 
   prefill alone   the forward pass only: layers x per-layer compute
@@ -308,7 +308,7 @@ class Rig:
             self._stack.callback(self.src_ops.close)
             self.dst_ops = CpuOps("bench-copy-dst")
             self._stack.callback(self.dst_ops.close)
-            # worker.py's kvc-stage executor: save_kv_layer hands each layer to it
+            # the staging book's kvc-stage executor (tiered/staging.py): save_kv_layer hands each layer to it
             self.staging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-stage")
             self._stack.callback(self.staging.shutdown, wait=True)
         except BaseException:
@@ -337,7 +337,7 @@ class Rig:
         return self.senders[name]
 
     def _on_done(self, tid: str, target: Any, err: Any) -> None:
-        """Push sender thread: as worker.py's _push_done, the producer lets go once the push landed."""
+        """Push sender thread: as tiered/pushes.py's PushBook._done, the producer lets go once the push landed."""
         self.errors[tid] = err
         if err is None:
             with contextlib.suppress(Exception):
@@ -394,7 +394,7 @@ def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float,
         sender.submit(PushJob(tid, rig.target, group_layers, 0, blocks, checksums, end=end))
         submits.append(time.perf_counter() - t0)
 
-    def stage(layer: int, forward: Any) -> None:  # the staging thread: worker.py's _stage_spec
+    def stage(layer: int, forward: Any) -> None:  # the staging thread: tiered/staging.py's _stage_spec
         nonlocal ended
         if layer == 0:
             rig.src.create(tid, layers, blocks)
@@ -405,7 +405,7 @@ def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float,
         with lock:
             pending.append(layer)
             full = group is not None and len(pending) >= group
-        if layer == layers - 1:  # worker.py's _seal_transfer, from the stager at the last layer
+        if layer == layers - 1:  # tiered/staging.py's _seal_transfer, from the stager at the last layer
             rig.src.seal(tid, {"xxh3": sums.reshape(-1).tolist()})
             push_pending(end=True)  # the last group (bulk: every layer), sealing the landing copy
             ended = True
@@ -428,9 +428,9 @@ def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float,
         for f in futures:  # wait_for_save: every staged byte is in the producer store
             f.result()
         now = time.monotonic()
-        rig.landing.wait(tid, now + TIMEOUT_S, now + TIMEOUT_S)
+        rig.landing.entries.wait(tid, now + TIMEOUT_S, now + TIMEOUT_S)
         t_landed = time.perf_counter() - t0
-        # worker.py's _load_landed: the layers out of the landing store with read_into (here one call
+        # tiered/landed.py's LandedReader.load: the layers out of the landing store with read_into (here one call
         # for every layer; the worker splits calls at LANDED_READ_BYTES) into a host buffer of the
         # copy stream's kind, then the Loader's copy into the KV cache blocks, waited for. A fresh
         # buffer per prompt, not Loader.landing_buffer: its pool picks a buffer with list.remove,
@@ -449,7 +449,7 @@ def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float,
                 with contextlib.suppress(Exception):
                     f.exception()
             sender.submit(PushJob(tid, rig.target, abort=TransferError(FailureCause.PROTOCOL, "benchmark run failed")))
-        rig.landing.forget(tid)
+        rig.landing.entries.forget(tid)
         with contextlib.suppress(Exception):
             rig.dst.release(tid)
         if not sender.flush(TIMEOUT_S):

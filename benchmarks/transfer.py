@@ -644,7 +644,7 @@ class Consumer:
             self.clients[path] = ClientPool(
                 lambda host, port: StoreClient(host, port, compat=self.compat, peer_name="bench", **sealed))
         t0 = time.perf_counter()
-        # == TieredConnectorWorker._pull_into_cache: the target blocks; the connection of the last pull
+        # == tiered/puller.py's Puller._from_producer: the target blocks; the connection of the last pull
         # if it is still good (client_pool.py), as the worker keeps them
         deadline = time.monotonic() + TIMEOUT_S
         dest = self.target_blocks()

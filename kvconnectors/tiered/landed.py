@@ -1,6 +1,7 @@
 """Consumer side of push mode: the KV that producers pushed into this rank's landing store.
 
-The landing receiver (transport/landing.py) fills this rank's store with pushed entries; this
+The landing receiver (transport/landing.py) fills this rank's store with pushed entries, and the
+landed-entry table (`landing`, transport/landed_entries.py) with its records of them; this
 part waits until a request's entry is sealed there (every layer of every block), copies it into
 the request's KV cache blocks and lets it go. Decode TP < prefill TP: each producer rank pushed
 the heads it serves here as a head fragment under its own id (push_routes.py); the rows are
@@ -29,7 +30,7 @@ from kvconnectors.tiered.push_routes import fragment_id, is_fragment_of
 from kvconnectors.tiered.resliced import ReslicedReads
 from kvconnectors.tiered.tp import Reslice
 from kvconnectors.transport import tamper
-from kvconnectors.transport.landing import Landing
+from kvconnectors.transport.landed_entries import LandedEntries
 
 logger = get_logger(__name__)
 FIRST_CHUNK_GRACE_S = 5.0  # no chunk of a transfer landed by then -> pull from the producer
@@ -37,8 +38,8 @@ LANDED_READ_BYTES = 32 << 20  # bytes copied out of the landing store per read_i
 
 
 class LandedReader:
-    def __init__(self, store: TieredStore, landing: Landing, layout: KVLayout, config: TieredConfig, loader: Loader,
-                 resliced: ReslicedReads, record: Callable[..., None]):
+    def __init__(self, store: TieredStore, landing: LandedEntries, layout: KVLayout, config: TieredConfig,
+                 loader: Loader, resliced: ReslicedReads, record: Callable[..., None]):
         self.store, self.landing, self.layout, self.config, self.loader = store, landing, layout, config, loader
         self._resliced, self._record = resliced, record
 

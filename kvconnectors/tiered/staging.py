@@ -22,7 +22,7 @@ from kvconnectors.logs import get_logger
 from kvconnectors.mover import CopyEvent, DeviceOps, Stager
 from kvconnectors.mover.geometry import UnsupportedKVCache
 from kvconnectors.mover.reslice import RowLayout
-from kvconnectors.store import TieredStore
+from kvconnectors.store import StoreClosedError, TieredStore
 from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.layout import KVLayout
 from kvconnectors.tiered.links import PeerLinks
@@ -91,12 +91,13 @@ class StagingBook:
     def drop(self, tid: str) -> None:
         """The request was aborted here: its staging and pushes end, its consumers are told, its
         staged copy goes."""
-        self._checksums.pop(tid, None)
-        self.pushes.abort(tid, TransferError(FailureCause.UNKNOWN_TRANSFER,
-                                             "the request was aborted on the prefill instance"))
+        with self._lock:  # after the staging thread's current batch, as its pushes are ended
+            self._checksums.pop(tid, None)
+            self.pushes.abort(tid, TransferError(FailureCause.UNKNOWN_TRANSFER,
+                                                 "the request was aborted on the prefill instance"))
         try:
             self.store.release(tid)
-        except TransferError:
+        except (TransferError, StoreClosedError):
             pass
 
     def fail(self, tid: str, exc: TransferError) -> None:
@@ -111,7 +112,7 @@ class StagingBook:
             if not isinstance(exc, StoreFullError):
                 try:
                     self.store.release(tid)
-                except TransferError:
+                except (TransferError, StoreClosedError):  # (a push ending after shutdown)
                     pass
             self.server.notify_sealed()  # wake readers waiting for this transfer
 
@@ -196,7 +197,8 @@ class StagingBook:
         if tid in self.failures:
             return False
         if not spec.seal:
-            self.pushes.send_group(spec, self._checksums.get(tid))  # this step's; the prompt goes on next step
+            if tid in self._checksums:  # (dropped meanwhile: nothing more to push)
+                self.pushes.send_group(spec, self._checksums[tid])  # this step's; the prompt goes on next step
             return False
         return self._seal_transfer(spec)  # unless the stager did at the last layer
 

@@ -69,6 +69,8 @@ class TieredConnectorWorker:
             # rank r's landing store listens on store_port + r, derived by the prefill side from push_target
             raise ConfigError("store_port", config.store_port, (
                 "push mode with tensor parallelism needs a fixed store_port (rank r listens on store_port + r)"))
+        # Tickets and push targets come from HTTP clients: connect only to allowed_peers.
+        self.links = PeerLinks(config, engine_id, load_secret(config.secret_file))
         if config.piecewise and self.is_consumer and not self.is_producer and config.cudagraph_piecewise == "auto":
             logger.warning("TieredConnector: this decode instance runs PIECEWISE CUDA graphs because push mode "
                            "forces them for producers (vLLM decides before it knows the role); set "
@@ -79,8 +81,6 @@ class TieredConnectorWorker:
         # transport nixl: fail start-up now if NIXL is missing; the consumer agent comes at first pull
         if config.transport == "nixl":
             nixl_transport.require_nixl()
-        # Tickets and push targets come from HTTP clients: connect only to allowed_peers.
-        self.links = PeerLinks(config, engine_id, load_secret(config.secret_file))
         self.results = LoadResults()
         # set up by register_kv_caches, once the KV cache is known
         self.layout: KVLayout | None = None
@@ -136,7 +136,7 @@ class TieredConnectorWorker:
         self._resliced = ReslicedReads(self.layout, self.config, self.links, self.paths, self.loader,
                                        self.results.record)
         if self.landing is not None and self.store is not None:
-            self._landed = LandedReader(self.store, self.landing, self.layout, self.config, self.loader,
+            self._landed = LandedReader(self.store, self.landing.entries, self.layout, self.config, self.loader,
                                         self._resliced, self.results.record)
         self.puller = Puller(self.layout, self.geometry, self._row_layout, self.config, self.links, self.paths,
                              self.loader, self.results, self._resliced, self._landed)
@@ -151,8 +151,10 @@ class TieredConnectorWorker:
             nvme_bytes=cfg.nvme_bytes, nvme_create_dirs=cfg.nvme_create_dirs, lease_ttl_s=cfg.lease_ttl_s,
             instance_name=f"{cfg.instance_name}{tp_rank}",
             shm_name=f"kvc_{safe}_{tp_rank}_{os.getpid()}" if cfg.transport == "shm" else None))
-        if not self.is_producer and self.store.arena_slots().size:
-            # the landing store: landed copies go host->device from it
+        # the producer's stager page-locks the arena; a landing store's arena is pinned for host->device
+        # copies. Before anything listens or registers it with NIXL, as it always was.
+        stager = Stager(self.geometry, self.store, self.ops, checksum=cfg.checksum) if self.is_producer else None
+        if stager is None and self.store.arena_slots().size:
             self.ops.pin(self.store.arena_slots(), "the landing store's DRAM arena")
         # Expiry is the backstop for consumers that never come: check a few times per TTL.
         self._reaper = Reaper(self.store, interval_s=min(1.0, cfg.lease_ttl_s / 4)).start()
@@ -184,10 +186,10 @@ class TieredConnectorWorker:
                                   row_layout=row_layout if self.is_producer and isinstance(
                                       row_layout, RowLayout) else None,
                                   tp_size=layout.tp_size)  # a producer of another TP size plans by it
-        if self.is_producer:
+        if stager is not None:
             assert row_layout is not None
             self.staging = StagingBook(
-                self.store, Stager(self.geometry, self.store, self.ops, checksum=cfg.checksum), self.ops, layout,
+                self.store, stager, self.ops, layout,
                 cfg, self.server, failures, self.results.record, self.links,
                 push_path=NixlPush(source=self.server.nixl) if self.server.nixl else TCP_PUSH, row_layout=row_layout)
         logger.info("TieredConnector store: %s DRAM, serving %s:%d (%s%s), block %d B x %d layers "
@@ -221,18 +223,18 @@ class TieredConnectorWorker:
         for tid in transfer_ids:
             if self.server is not None:
                 self.server.revoke(tid)
-            if self.staging is not None:
-                self.staging.drop(tid)
-            if self._landed is not None:
+            if self._landed is not None:  # (forgets the landing records before the entry goes)
                 self._landed.free([tid])
                 self._landed.free_fragments(tid)
+            if self.staging is not None:
+                self.staging.drop(tid)
 
     # ------------------------------------------------------------------ consumer
     def start_load_kv(self, meta: TieredConnectorMetadata) -> None:
         if meta.drops:
             self.drop(meta.drops)
-        assert self.puller is not None, "start_load_kv before register_kv_caches"
         for spec in meta.recvs:
+            assert self.puller is not None, "start_load_kv before register_kv_caches"
             self.puller.submit(spec)
 
     @property
@@ -273,6 +275,7 @@ class TieredConnectorWorker:
         self.links.close()
         if self.staging is not None:
             self.staging.close()
+            self.staging = None
         if self.paths is not None:
             self.paths.close()
         if self._reaper is not None:

@@ -16,15 +16,15 @@ Every request is validated before it touches the store; a bad request gets a typ
 the connection (and the server) keep serving; a request that raises anything else (a bug) is logged,
 counted ("internal") and its connection closed, never the thread left to die unanswered.
 
-Per-transfer capabilities: the worker `grant`s each staged transfer the token of its ticket;
-Read, Renew, Release and Locate of a granted transfer must present that token, and a wrong or
-missing one is answered exactly like an unknown id. With `require_grants` (a producer's server)
+Per-transfer capabilities (grants.py): the worker `grant`s each staged transfer the token of its
+ticket; Read, Renew, Release and Locate of a granted transfer must present that token, and a wrong
+or missing one is answered exactly like an unknown id. With `require_grants` (a producer's server)
 an id never granted is unknown too. Refusals sent to a peer that has not authenticated name
 neither this server's compat hash nor its layout fingerprint; failed authentications are counted
 (ServerCounters.auth_failures, StatusReply.auth_failures) and logged at most once per
-`log_interval_s` with the count of those not logged. Peers of the previous protocol version are
-admitted too (wire.ACCEPTED_VERSIONS) when `compat` names it and the server holds no secret: v3
-authenticates one way only, so a secret holder never admits it (nor does its client speak it).
+`log_interval_s` with the count of those not logged (handshake.py). Peers of the previous protocol
+version are admitted too (wire.ACCEPTED_VERSIONS) when `compat` names it and the server holds no
+secret: v3 authenticates one way only, so a secret holder never admits it (nor does its client speak it).
 
 wire_protection (`protection`): "aead" seals every frame and KV byte after the handshake
 (sealed.py); it needs the secret, admits only v4 peers that run "aead" too (the refusal names both
@@ -32,112 +32,93 @@ values), and offers no nixl path (NIXL moves the bytes outside the sealed socket
 that fails its tag is counted (ServerCounters.integrity_failures, StatusReply.integrity_failures),
 answered with a typed auth refusal in the other direction, and its connection closed; the server
 keeps serving the others.
+
+The parts, each constructed here once and owning its state (calls flow from this module down):
+    server_settings.ServerSettings  every value the server is started with, checked
+    admission.Admission             connection caps (accept thread, connection threads)
+    handshake.Handshake             Hello and the secret's proofs -> a Session
+    grants.Grants                   per-transfer tokens (asks the landing table of pushed entries)
+    pull_service.PullService        Read, Renew, Release, Locate, Status
+    landing.Landing                 push mode: its receiver takes Push and PushEnd (consumer side)
+    server_counters.ServerCounters  what every part counts
+This module accepts, hands each connection to its thread, and dispatches each request to its part.
+Fault plans (faults.py, tests and chaos runs) are asked here per request, before anything else, and
+stay replaceable on a running server (`faults`).
 """
 
 from __future__ import annotations
 
-import hmac
 import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvconnectors.errors import ConfigError, FailureCause, TransferError, UnknownTransferError
+from kvconnectors.errors import ConfigError, FailureCause, TransferError
 from kvconnectors.logs import LogLimiter, get_logger
 from kvconnectors.store import TieredStore
-from kvconnectors.transport import auth, wire
-from kvconnectors.transport.admission import Admission, Caps, Seat, peer_key
+from kvconnectors.transport import wire
+from kvconnectors.transport.admission import Admission, Seat, peer_key
 from kvconnectors.transport.auth import Session
-from kvconnectors.transport.faults import FaultPlan, FaultRule, with_fault
-from kvconnectors.transport.landing import ConnectionState, Landing
+from kvconnectors.transport.faults import FaultPlan, FaultRule
+from kvconnectors.transport.grants import Grants
+from kvconnectors.transport.handshake import Handshake
+from kvconnectors.transport.landed_entries import ConnectionState
+from kvconnectors.transport.landing import Landing
 from kvconnectors.transport.nixl import NixlSource
-from kvconnectors.transport.paths import (PULL_UNOFFERED, SHM_PULL, TCP_PULL, NixlPull, PullPath, ReadContext, TcpHeadsPull,
-                                         offered)
-from kvconnectors.transport.protocol import check_protection, peer_name, trailing_bytes
+from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, NixlPull, PullPath, TcpHeadsPull
+from kvconnectors.transport.protocol import peer_name, trailing_bytes
+from kvconnectors.transport.pull_service import PullService
+from kvconnectors.transport.server_counters import ServerCounters
+from kvconnectors.transport.server_settings import FIELDS as SETTINGS_FIELDS
+from kvconnectors.transport.server_settings import SERVER_LOGGER, ServerSettings
 
-logger = get_logger(__name__)
-MAX_RENEW = wire.MAX_RENEW  # transfer ids per Renew message
-HANDSHAKE_TIMEOUT_S = 2.0   # accept to authenticated, every step together
-MAX_GRANTS = 1 << 16        # remembered transfer tokens beyond which those of ended transfers are forgotten
+__all__ = ["ServerSettings", "StoreServer"]  # ServerSettings: what callers construct a server with
 
-
-@dataclass
-class ServerCounters:
-    connections: int = 0
-    active_connections: int = 0
-    auth_failures: int = 0
-    integrity_failures: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)  # cause -> count
-    bytes_sent: int = 0
-    reads: int = 0
-
-    def reject(self, cause: str) -> None:
-        self.rejected[cause] = self.rejected.get(cause, 0) + 1
+logger = get_logger(SERVER_LOGGER)
 
 
 class StoreServer:
     """Serves `store` on (host, port); port 0 picks a free one (see `.port`)."""
 
-    def __init__(self, store: TieredStore, host: str, port: int, *, fingerprint: str,
-                 num_layers: int, compat: str | Mapping[int, str], secret: bytes | None = None,
-                 idle_timeout_s: float = 300.0, seal_wait_s: float = 10.0,
-                 staging_failure: Callable[[str], TransferError | None] | None = None,
-                 faults: FaultPlan | None = None, max_connections: int = 256, nixl: bool = False,
+    def __init__(self, store: TieredStore, host: str, port: int, settings: ServerSettings | None = None, *,
                  landing: Landing | None = None, paths: Sequence[PullPath] | None = None,
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, max_pending: int = 64,
-                 max_pending_per_peer: int | None = None, max_per_peer: int = 64,
-                 max_pending_per_prefix: int | None = None,
-                 require_grants: bool = False, max_grants: int = MAX_GRANTS, log_interval_s: float = 10.0,
-                 protection: str = wire.HANDSHAKE, rows_fingerprint: str = "", row_layout: Any = None,
-                 tp_size: int = 0):
-        """`compat`: the hash peers must present, or one per admitted protocol version
-        (wire.compat_hashes: peers of the previous version too). `paths`: the pull data paths
-        offered (default: tcp, shm when the store has an arena, nixl when `nixl`, tcp of some KV
-        heads per row when `row_layout`, a mover.reslice.RowLayout, says how to slice the rows).
-        `require_grants`: an id never granted a token is unknown (a producer's server, where every
-        transfer is granted when its staging starts). `protection`: the wire_protection setting.
-        `rows_fingerprint`: a Read may present it instead of `fingerprint` (a consumer holding a
-        previous-version ticket, which carries it). `tp_size`: the TP size of the instance this
-        store belongs to, said in StatusReply (a producer pushing to another TP size plans by it)."""
-        check_protection(protection, secret)
-        if protection == wire.AEAD and (nixl or (paths is not None and any(p.name == NixlPull.name for p in paths))):
-            raise ConfigError("wire_protection", protection, (
+                 row_layout: Any = None, staging_failure: Callable[[str], TransferError | None] | None = None,
+                 faults: FaultPlan | None = None, **fields: Any):
+        """`settings`, or its fields as keywords (ServerSettings documents each). The collaborators:
+        `landing` (push mode: producers stream KV into this store, consumer side); `paths`: the
+        pull data paths offered (default: tcp, shm when the store has an arena, nixl when
+        `settings.nixl`, tcp of some KV heads per row when `row_layout`, a mover.reslice.RowLayout,
+        says how to slice the rows); `staging_failure(transfer_id)`: why its staging failed, or
+        None; `faults`: a fault plan (tests and chaos runs)."""
+        if settings is None:
+            settings = ServerSettings(**fields)
+        elif fields:
+            raise TypeError(f"StoreServer takes settings or their fields, not both: {sorted(fields)}")
+        if settings.protection == wire.AEAD and (
+                settings.nixl or (paths is not None and any(p.name == NixlPull.name for p in paths))):
+            raise ConfigError("wire_protection", settings.protection, (
                 "cannot seal transport 'nixl': NIXL moves the KV bytes itself, outside the sealed connection; "
                 "use transport tcp (or shm on one host) with aead"))
-        self.protection = protection
-        self.store, self.fingerprint, self.num_layers = store, fingerprint, num_layers
-        self.rows_fingerprint = rows_fingerprint or fingerprint
-        self.tp_size = tp_size
-        self.compat = dict(compat) if isinstance(compat, Mapping) else {wire.PROTOCOL_VERSION: compat}
-        self.secret = secret
-        self.idle_timeout_s, self.seal_wait_s = idle_timeout_s, seal_wait_s
-        self.handshake_timeout_s = handshake_timeout_s
-        self.staging_failure = staging_failure or (lambda tid: None)
+        self.settings, self.store, self._landing, self.faults = settings, store, landing, faults
         self.counters = ServerCounters()
-        self.faults = faults
-        self.landing = landing  # push mode: producers stream KV into this store (consumer side)
-        caps = Caps(max_connections=max_connections, max_per_peer=max_per_peer, max_pending=max_pending,
-                    max_pending_per_peer=max_pending_per_peer, max_pending_per_prefix=max_pending_per_prefix)
-        self.admission = Admission(caps, on_evict=self.counters.reject)
-        self.require_grants, self.max_grants = require_grants, max_grants
-        self.log = LogLimiter(logger, log_interval_s)
-        self._lock = threading.Lock()
-        self._sealed = threading.Condition()
-        self._grants: OrderedDict[str, str] = OrderedDict()
-        self._grants_lock = threading.Lock()
+        self.admission = Admission(settings.caps, on_evict=self.counters.reject)
+        self.log = LogLimiter(logger, settings.log_interval_s)
+        self.capabilities = Grants(store, max_grants=settings.max_grants, require_grants=settings.require_grants,
+                                   log=self.log, landed_token=landing.entries.token_of if landing is not None else None)
+        self.handshake = Handshake(settings, self.admission, self.counters, self.log)
         self._closed = False
         if paths is None:
             # nixl: one agent for the server's life, the whole arena registered once (TransferError if
             # NIXL cannot start); consumers READ from it, this server only progresses it during reads.
             paths = [TCP_PULL] + ([SHM_PULL] if store.shm_path is not None else []) + (
                 [NixlPull(source=NixlSource(store.arena_base_address, store.arena_bytes,
-                                            tag=store.config.instance_name))] if nixl else []) + (
+                                            tag=store.config.instance_name))] if settings.nixl else []) + (
                 [TcpHeadsPull(row_layout)] if row_layout is not None else [])
-        self.paths: dict[str, PullPath] = {p.name: p for p in paths}
+        self.paths: dict[str, PullPath] = {p.name: p for p in paths}  # the pull service's: one dict
+        self.pulls = PullService(store, settings, self.capabilities, self.paths, self.counters,
+                                 active_connections=self.admission.__len__, staging_failure=staging_failure)
         self._listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -152,6 +133,18 @@ class StoreServer:
         self._thread = threading.Thread(target=self._accept_loop, name="kvc-store-server", daemon=True)
         self._thread.start()
 
+
+    @property
+    def landing(self) -> Landing | None:
+        """The landing receiver (push mode). Fixed at construction: the grants consult its table."""
+        return self._landing
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # The settings are read once by the parts at construction (handshake, grants, pull service):
+        # assigning one later would silently change nothing, so it is refused (security ones fail open).
+        if name in SETTINGS_FIELDS:
+            raise AttributeError(f"StoreServer.{name} is a setting, fixed at construction (ServerSettings)")
+        super().__setattr__(name, value)
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
@@ -184,8 +177,7 @@ class StoreServer:
         seat, refused, evicted = self.admission.admit(sock, addr)
         if seat is None:
             return refused
-        with self._lock:
-            self.counters.connections += 1
+        self.counters.count_connection()
         for other in evicted:  # its thread wakes, sees the seat gone, and ends
             try:
                 other.shutdown(socket.SHUT_RDWR)
@@ -193,61 +185,21 @@ class StoreServer:
                 pass
         return seat
 
-    # ------------------------------------------------------------------ capabilities
+    # ------------------------------------------------------------------ for the worker and operators
     def grant(self, transfer_id: str, token: str) -> None:
-        """From now on, `transfer_id` answers only to `token` (the ticket's). Bounded: beyond
-        max_grants the oldest grants of transfers the store no longer holds are forgotten first."""
-        if not token:
-            return
-        with self._grants_lock:
-            self._grants[transfer_id] = token
-            self._grants.move_to_end(transfer_id)
-            if len(self._grants) > self.max_grants:
-                self._prune_grants()
+        """From now on, `transfer_id` answers only to `token` (grants.py)."""
+        self.capabilities.grant(transfer_id, token)
 
     def revoke(self, transfer_id: str) -> None:
-        with self._grants_lock:
-            self._grants.pop(transfer_id, None)
+        self.capabilities.revoke(transfer_id)
 
     @property
     def grants(self) -> int:
-        with self._grants_lock:
-            return len(self._grants)
+        """How many grants are remembered."""
+        return len(self.capabilities)
 
-    def _prune_grants(self) -> None:
-        """Forget the grants of transfers the store no longer holds, oldest first, down to 3/4 of
-        max_grants. A live transfer's grant is never forgotten (on a server without require_grants
-        that would open it to any peer): live grants are bounded by the store's live entries, each
-        of which holds at least one slot."""
-        target = self.max_grants * 3 // 4
-        for tid in list(self._grants):
-            if len(self._grants) <= target:
-                return
-            if not self.store.contains(tid):
-                del self._grants[tid]
-        if len(self._grants) > self.max_grants:
-            self.log.warning("grants", "store server: %d live transfers hold tokens (max_grants %d); keeping them",
-                             len(self._grants), self.max_grants)
-
-    def _authorized(self, transfer_id: str, token: str) -> bool:
-        with self._grants_lock:
-            want = self._grants.get(transfer_id)
-        if want is None and self.landing is not None:
-            want = self.landing.token_of(transfer_id)  # a pushed entry: its pushes' token ("": none)
-            if want is None and self.store.contains(transfer_id):
-                return False  # landed, its token no longer known (forgotten, or going): it answers nobody
-        if want is None:
-            return not self.require_grants
-        return bool(token) and hmac.compare_digest(want.encode(), token.encode())
-
-    def _check_token(self, transfer_id: str, token: str) -> None:
-        if not self._authorized(transfer_id, token):  # worded exactly as the store words an unknown id
-            raise UnknownTransferError(f"transfer {transfer_id!r} is not in this store")
-
-    # ------------------------------------------------------------------ lifecycle
     def notify_sealed(self) -> None:
-        with self._sealed:
-            self._sealed.notify_all()
+        self.pulls.notify_sealed()
 
     def close(self) -> None:
         if self._closed:
@@ -278,6 +230,8 @@ class StoreServer:
         path = self.paths.get(NixlPull.name)
         return getattr(path, "source", None)
 
+    handshake_timeout_s = property(lambda self: self.settings.handshake_timeout_s)
+
     # the caps, as admission.py holds them (read by operators and the DoS tests)
     max_connections = property(lambda self: self.admission.caps.max_connections)
     max_per_peer = property(lambda self: self.admission.caps.max_per_peer)
@@ -293,7 +247,8 @@ class StoreServer:
         conn = ConnectionState(peer_name(sock))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = self._handshake(sock, (accepted_at or time.monotonic()) + self.handshake_timeout_s, seat)
+            deadline = (accepted_at or time.monotonic()) + self.settings.handshake_timeout_s
+            session = self._handshake(sock, deadline, seat)
             if session is None:
                 return  # refused, or closed to make room before it was admitted
             # landing.py binds the transfers a connection creates to conn.owner: the session's id (from
@@ -303,7 +258,7 @@ class StoreServer:
             io = self._seal(sock, session) if session.protection == wire.AEAD else sock
             while True:
                 try:
-                    msg = wire.recv_msg(io, deadline=time.monotonic() + self.idle_timeout_s)
+                    msg = wire.recv_msg(io, deadline=time.monotonic() + self.settings.idle_timeout_s)
                 except TransferError as exc:
                     if exc.cause is FailureCause.PROTOCOL:
                         self.counters.reject("protocol")
@@ -325,7 +280,7 @@ class StoreServer:
         finally:
             if self.landing is not None and conn.open:
                 try:
-                    self.landing.connection_closed(conn)
+                    self.landing.receiver.connection_closed(conn)
                 except Exception as exc:
                     self.log.warning("internal", "store server: landing cleanup for %s failed: %r",
                                      conn.peer, exc, exc_info=True)
@@ -342,8 +297,7 @@ class StoreServer:
 
     def _integrity_failed(self, sock, error: TransferError) -> None:
         """A sealed record failed its tag: count it, say so in the direction that is intact, hang up."""
-        with self._lock:
-            self.counters.integrity_failures += 1
+        self.counters.count_integrity_failure()
         self.counters.reject("integrity")
         self.log.warning("integrity", "store server: %s (%d integrity failures so far)", error.detail,
                          self.counters.integrity_failures)
@@ -356,107 +310,8 @@ class StoreServer:
             pass
 
     def _handshake(self, sock: socket.socket, deadline: float, seat: Seat | None = None) -> Session | None:
-        """The peer's session once it is admitted; None when refused, or when its `seat` was given to
-        another connection before the last answer (which is then not sent: the peer sees the close
-        before anything was done, and may connect again). `deadline` bounds every step together."""
-        peer = peer_name(sock)
-        try:
-            hello = wire.recv_msg(sock, deadline=deadline)
-        except TransferError as exc:
-            self.counters.reject("handshake_timeout" if exc.cause is FailureCause.TIMEOUT else "protocol")
-            return None
-        if not isinstance(hello, wire.Hello):
-            self.counters.reject("protocol")
-            self._welcome_refusal(sock, f"expected Hello, got {type(hello).__name__}")
-            return None
-        refused = wire.check_hello(hello, self.compat)
-        if refused:
-            self.counters.reject("protocol")
-            ours = max(self.compat)
-            self.log.warning("hello", "refused peer %s: %s; this server speaks v%d compat %s", peer, refused,
-                             ours, self.compat[ours])
-            self._welcome_refusal(sock, refused)
-            return None
-        if hello.version < 4 and self.protection == wire.AEAD:
-            self.counters.reject("protection_mismatch")
-            self._welcome_refusal(sock, (
-                f"{wire.PROTECTION_MISMATCH}: this server runs {wire.AEAD!r}, which needs protocol v4; the peer "
-                f"speaks v{hello.version} (upgrade it, or run wire_protection {wire.HANDSHAKE!r} until the pool is)"))
-            return None
-        if hello.version < 4 and self.secret is not None:
-            # v3 authenticates one way and binds nothing to the connection: a secret holder admits only v4
-            self.counters.reject("previous_wire")
-            self._welcome_refusal(sock, (
-                f"its protocol v{hello.version} authenticates one way only; this server holds the shared secret "
-                "and admits previous-version peers only in a pool without one (upgrade the peer)"))
-            return None
-        if hello.version < 4:
-            if not self._seated(seat, authenticated=False):
-                return None
-            wire.send_msg(sock, wire.Welcome(ok=True))
-            return Session(id=auth.session_id(None), version=hello.version, authenticated=False, mutual=False,
-                           peer=peer, peer_name=hello.peer)
-        if not isinstance(hello.nonce, bytes) or len(hello.nonce) != auth.NONCE_BYTES:
-            self.counters.reject("protocol")
-            self._welcome_refusal(sock, f"a v{hello.version} Hello carries a {auth.NONCE_BYTES}-byte nonce")
-            return None
-        if hello.protection != self.protection:
-            self.counters.reject("protection_mismatch")
-            self.log.warning("hello", "refused peer %s: its wire_protection %r differs from this server's %r", peer,
-                             hello.protection[:32], self.protection)
-            self._welcome_refusal(sock, wire.protection_mismatch(self.protection, hello.protection))
-            return None
-        if self.secret is None:
-            if not self._seated(seat, authenticated=False):
-                return None
-            wire.send_msg(sock, wire.Welcome(ok=True))
-            return Session(id=auth.session_id(None), version=hello.version, authenticated=False, mutual=False,
-                           peer=peer, peer_name=hello.peer)
-        nonce = auth.new_nonce()
-        th = auth.transcript(hello.version, hello.compat_hash, hello.peer, hello.nonce, nonce, self.protection)
-        wire.send_msg(sock, wire.Welcome(ok=True, nonce=nonce, proof=auth.prove_role(self.secret, auth.ROLE_SERVER, th),
-                                         protection=self.protection))
-        try:
-            proof = wire.recv_msg(sock, deadline=deadline)
-        except TransferError:
-            proof = None
-        # during a rotation the client may prove with either accepted secret; the key is derived from that one
-        matched = auth.verify_any(self.secret, auth.ROLE_CLIENT, th, proof.mac) if isinstance(proof, wire.Proof) \
-            else None
-        if matched is None:
-            self._auth_failed(sock, peer, proof)
-            return None
-        if not self._seated(seat, authenticated=True):
-            return None
-        wire.send_msg(sock, wire.Ack(ok=True))
-        return Session(id=auth.session_id(th), version=hello.version, authenticated=True, mutual=True, peer=peer,
-                       peer_name=hello.peer, key=auth.session_key(matched, th), protection=self.protection)
-
-    def _seated(self, seat: Seat | None, authenticated: bool) -> bool:
-        """The connection leaves the handshake budget before its last answer: from then on only an
-        idle connection may be closed to make room, never a half-admitted one. False: it was already
-        closed to make room."""
-        return seat is None or self.admission.handshake_done(seat, authenticated)
-
-    def _welcome_refusal(self, sock: socket.socket, error: str) -> None:
-        try:
-            wire.send_msg(sock, wire.Welcome(ok=False, error=error[:wire.MAX_MESSAGE]))
-        except OSError:
-            pass
-
-    def _auth_failed(self, sock: socket.socket, peer: str, proof: object) -> None:
-        with self._lock:
-            self.counters.auth_failures += 1
-        self.counters.reject("auth")
-        why = ("no proof before the deadline" if proof is None else
-               "a wrong proof" if isinstance(proof, wire.Proof) else f"{type(proof).__name__} instead of a proof")
-        self.log.warning("auth", "refused an unauthenticated peer %s (%s; %d failed authentications so far)",
-                         peer, why, self.counters.auth_failures)
-        try:
-            wire.send_msg(sock, wire.Ack(ok=False, cause=FailureCause.AUTH.value,
-                                         message="shared-secret authentication failed"))
-        except OSError:
-            pass
+        """The peer's session once admitted, else None (handshake.py)."""
+        return self.handshake.run(sock, deadline, seat)
 
     def _dispatch(self, sock: socket.socket, msg: wire.Message, conn: ConnectionState,
                   version: int = wire.PROTOCOL_VERSION, session: Session | None = None) -> bool:
@@ -483,15 +338,15 @@ class StoreServer:
                     f"data_path {msg.data_path!r} is not sealed under wire_protection 'aead' (NIXL moves the "
                     f"bytes outside this connection); use one of {', '.join(_SEALED_PATHS)}"))
             if isinstance(msg, wire.Read):
-                self._read(sock, msg, fault, session)
+                self.pulls.read(sock, msg, fault, session)
             elif isinstance(msg, wire.Renew):
-                self._renew(sock, msg)
+                self.pulls.renew(sock, msg)
             elif isinstance(msg, wire.Release):
-                self._release(sock, msg)
+                self.pulls.release(sock, msg)
             elif isinstance(msg, wire.Status):
-                self._status(sock)
+                self.pulls.status(sock)
             elif isinstance(msg, wire.Locate):
-                self._locate(sock, msg)
+                self.pulls.locate(sock, msg)
             elif isinstance(msg, (wire.Push, wire.PushEnd)):
                 if self.landing is None:
                     if isinstance(msg, wire.Push) and trailing_bytes(msg):
@@ -503,9 +358,9 @@ class StoreServer:
                     raise TransferError(FailureCause.PROTOCOL, "this store server does not accept pushes "
                                                                "(start the consumer with transfer_mode 'push')")
                 if isinstance(msg, wire.Push):
-                    self.landing.handle_push(sock, msg, conn, fault)
+                    self.landing.receiver.handle_push(sock, msg, conn, fault)
                 else:
-                    self.landing.handle_end(sock, msg, conn)
+                    self.landing.receiver.handle_end(sock, msg, conn)
             else:
                 raise TransferError(FailureCause.PROTOCOL, f"unexpected message {type(msg).__name__}")
         except TransferError as exc:
@@ -537,133 +392,8 @@ class StoreServer:
                 time.sleep(fault.delay_s)
         return fault
 
-    # ------------------------------------------------------------------ requests
-    def _validate_read(self, msg: wire.Read, session: Session | None = None) -> PullPath:
-        wire.check_transfer_id(msg.transfer_id)
-        ours = self.rows_fingerprint if msg.fingerprint == self.rows_fingerprint else self.fingerprint
-        wire.check_fingerprint(msg.fingerprint, ours, peer="consumer", us="producer",
-                               reveal=session is not None and session.authenticated)
-        wire.check_layers(msg.layers, self.num_layers)
-        if not (0 <= msg.first_block < MAX_BLOCKS and 1 <= msg.num_blocks <= MAX_BLOCKS):
-            raise TransferError(FailureCause.PROTOCOL,
-                                f"bad block range first_block={msg.first_block} num_blocks={msg.num_blocks}")
-        path = offered(self.paths, msg.data_path, PULL_UNOFFERED, "data_path")
-        self._check_token(msg.transfer_id, msg.token)
-        return path
-
-    def _wait_sealed(self, tid: str) -> None:
-        deadline = time.monotonic() + self.seal_wait_s
-        with self._sealed:
-            while True:
-                failure = self.staging_failure(tid)
-                if failure is not None:
-                    raise failure
-                if self.store.is_sealed(tid):  # typed LeaseExpired / UnknownTransfer if gone
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferError(FailureCause.TIMEOUT, f"transfer {tid!r} was not fully staged in time")
-                self._sealed.wait(left)
-
-    def _read(self, sock: socket.socket, msg: wire.Read, fault: FaultRule | None = None,
-              session: Session | None = None) -> None:
-        path = with_fault(self._validate_read(msg, session), fault)
-        self._wait_sealed(msg.transfer_id)
-        ttl = self.store.renew(msg.transfer_id)  # a consumer pulling keeps the lease alive
-        info = self.store.info(msg.transfer_id)
-        last = msg.first_block + msg.num_blocks
-        if last > info.num_blocks:
-            raise TransferError(FailureCause.LAYOUT_MISMATCH, (
-                f"asked for blocks [{msg.first_block}, {last}) of a {info.num_blocks}-block transfer"))
-        sums = (self.store.checksums(msg.transfer_id) or {}).get("xxh3")
-        checksums = None if sums is None else [
-            sums[layer * info.num_blocks + b] for layer in msg.layers for b in range(msg.first_block, last)]
-        path.serve(self._read_context(), sock, msg, info.nvme_slots, ttl, checksums)
-
-    # ------------------------------------------------------------------ for the data paths
-    def _read_context(self) -> ReadContext:
-        """What a path's source end is given to serve one read: never this server itself."""
-        return ReadContext(store=self.store, idle_timeout_s=self.idle_timeout_s, count_read=self.count_read,
-                           reject=self.counters.reject, finish_offset_read=self.finish_offset_read, log=logger)
-
-    def count_read(self, nbytes: int) -> None:
-        with self._lock:
-            self.counters.bytes_sent += nbytes
-            self.counters.reads += 1
-
-    def finish_offset_read(self, sock: socket.socket, msg: wire.Read, path: str, done: wire.Message,
-                           nbytes: int) -> None:
-        """The consumer's answer to a read it fetched itself from offsets: Release (done: count it,
-        release the entry), Ack(ok=True) (done: count it, keep the entry, which other consumer
-        ranks read too, until the consumer's lease keeper releases it), Ack(ok=False) (its fetch
-        failed: the entry stays for a retry), or anything else, out of protocol while a read is
-        open (dispatching it here would nest pins without bound): drop the connection."""
-        if isinstance(done, wire.Release):
-            self.count_read(nbytes)
-            self._release(sock, done)
-        elif isinstance(done, wire.Ack) and done.ok:
-            self.count_read(nbytes)
-        elif isinstance(done, wire.Ack) and not done.ok:
-            logger.info("consumer %s failed its %s read of %s: [%s] %s", peer_name(sock), path,
-                        msg.transfer_id, done.cause, done.message)
-        elif not isinstance(done, wire.Ack):
-            self.counters.reject("protocol")
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def _renew(self, sock: socket.socket, msg: wire.Renew) -> None:
-        remaining: dict[str, float] = {}
-        missing: dict[str, str] = {}
-        if len(msg.transfer_ids) > MAX_RENEW:
-            raise TransferError(FailureCause.PROTOCOL, f"{len(msg.transfer_ids)} transfer ids in one Renew; "
-                                                       f"the limit is {MAX_RENEW}")
-        if msg.tokens is not None and len(msg.tokens) != len(msg.transfer_ids):
-            raise TransferError(FailureCause.PROTOCOL, f"a Renew with {len(msg.tokens)} tokens for "
-                                                       f"{len(msg.transfer_ids)} transfer ids")
-        size = wire.renew_bytes(msg.transfer_ids, msg.tokens)
-        if size > wire.MAX_RENEW_BYTES:  # its reply might not fit a frame
-            raise TransferError(FailureCause.PROTOCOL, f"a Renew of {size} bytes of ids and tokens; the limit "
-                                                       f"is {wire.MAX_RENEW_BYTES} (split it)")
-        for i, tid in enumerate(msg.transfer_ids):
-            if not self._authorized(tid, msg.tokens[i] if msg.tokens is not None else ""):
-                missing[tid] = FailureCause.UNKNOWN_TRANSFER.value
-                continue
-            try:
-                remaining[tid] = self.store.renew(tid)
-            except TransferError as exc:
-                missing[tid] = exc.cause.value
-        wire.send_msg(sock, wire.RenewReply(remaining=remaining, missing=missing), limit=wire.MAX_CONTROL_BYTES)
-
-    def _status(self, sock: socket.socket) -> None:
-        usage = self.store.usage()
-        counters = {k: int(v) for k, v in self.store.stats.snapshot().items() if isinstance(v, (int, float))}
-        wire.send_msg(sock, wire.StatusReply(
-            entries=usage["entries"], dram_used_bytes=usage["dram"]["used_bytes"],
-            nvme_used_bytes=usage["nvme"]["used_bytes"], pinned=usage["pinned"],
-            active_connections=self.active_connections - 1, counters=counters,  # minus this one
-            rejected=dict(self.counters.rejected), auth_failures=self.counters.auth_failures,
-            integrity_failures=self.counters.integrity_failures, tp_size=self.tp_size),
-            limit=wire.MAX_CONTROL_BYTES)
-
-    def _locate(self, sock: socket.socket, msg: wire.Locate) -> None:
-        try:
-            self._check_token(msg.transfer_id, msg.token)
-            info = self.store.info(msg.transfer_id)
-        except TransferError:
-            wire.send_msg(sock, wire.LocateReply(found=False))
-            return
-        wire.send_msg(sock, wire.LocateReply(found=True, dram_slots=info.dram_slots, nvme_slots=info.nvme_slots))
-
-    def _release(self, sock: socket.socket, msg: wire.Release) -> None:
-        self._check_token(msg.transfer_id, msg.token)
-        self.store.release(msg.transfer_id)  # no-op for an entry that already ended
-        wire.send_msg(sock, wire.Ack(ok=True))
-
 
 _SEALED_PATHS = ("inline", "inline_heads", "shm")  # aead: on the sealed socket, or same-host memory (never the network)
-MAX_BLOCKS = 1 << 24  # blocks of one read (a prompt of 16M tokens at block size 1)
 
 
 def _close_now(sock: socket.socket) -> None:

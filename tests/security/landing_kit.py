@@ -57,7 +57,7 @@ class LandingServer:
 
     def landed(self, tid: str, total_blocks: int) -> np.ndarray:
         """The sealed landing copy, as the consumer reads it: [LAYERS, total_blocks, SLOT]."""
-        self.landing.wait(tid, time.monotonic() + RPC_S, time.monotonic() + RPC_S)
+        self.landing.entries.wait(tid, time.monotonic() + RPC_S, time.monotonic() + RPC_S)
         out = np.empty((LAYERS * total_blocks, SLOT), np.uint8)
         self.store.read_into(tid, list(range(LAYERS)), 0, out)
         return out.reshape(LAYERS, total_blocks, SLOT)

@@ -87,11 +87,16 @@ def test_failed_authentications_are_counted_and_logged_at_a_bounded_rate(make_se
 
 
 def StoreServerArgs() -> set[str]:
+    """The keywords StoreServer takes: its own, and its settings' fields where they are declared apart."""
     import inspect
 
     from kvconnectors.transport.server import StoreServer
 
-    return set(inspect.signature(StoreServer).parameters)
+    try:
+        from kvconnectors.transport.server_settings import FIELDS
+    except ImportError:  # the code before the settings were declared apart
+        FIELDS = frozenset()
+    return set(inspect.signature(StoreServer).parameters) | FIELDS
 
 
 def test_a_renewal_of_many_long_ids_gets_replies_within_the_frame_limit(make_server) -> None:

@@ -35,7 +35,7 @@ def test_stalled_pushes_hold_a_chunk_each_and_all_land_when_they_go_on() -> None
     """Three 8 MiB pushes at a 16 MiB cap stall after 1 MiB: each holds one chunk of receive buffer and
     no more of the store than the bytes it delivered plus a chunk; then all three land byte-exact (an
     8 MiB push no longer needs an 8 MiB buffer)."""
-    from kvconnectors.transport.landing import IN_PLACE_CHUNK_BYTES
+    from kvconnectors.transport.push_writes import IN_PLACE_CHUNK_BYTES
 
     srv = LandingServer(dram_slots=STORE_SLOTS, max_receive_bytes=CAP)
     try:
@@ -138,7 +138,7 @@ def test_the_pool_reuses_buffers_and_frees_idle_ones_to_make_room() -> None:
     import pytest
 
     from kvconnectors.errors import TransferError
-    from kvconnectors.transport.landing import ReceiveBuffers
+    from kvconnectors.transport.receive_buffers import ReceiveBuffers
 
     pool = ReceiveBuffers(MIB)
     a = pool.lend(300_000)

@@ -34,7 +34,7 @@ def test_a_second_push_with_another_geometry_is_refused_typed(srv) -> None:
     # the owner's inconsistent stream failed its own transfer, nobody else's
     push(c, "h", [0], 0, 4, 4)
     with pytest.raises(TransferError) as failed:
-        srv.landing.wait("g", time.monotonic() + 1, time.monotonic() + 1)
+        srv.landing.entries.wait("g", time.monotonic() + 1, time.monotonic() + 1)
     assert failed.value.cause is FailureCause.PROTOCOL
     assert srv.store.contains("h")
 
@@ -90,7 +90,7 @@ def test_an_unexpected_error_while_landing_is_answered_and_the_server_goes_on(sr
     assert exc.cause is FailureCause.PROTOCOL
     monkeypatch.undo()
     with pytest.raises(TransferError):
-        srv.landing.wait("b", time.monotonic() + 1, time.monotonic() + 1)
+        srv.landing.entries.wait("b", time.monotonic() + 1, time.monotonic() + 1)
     still_serves(c)
     still_serves(srv.client())
     assert srv.used_slots() == 0

@@ -66,13 +66,13 @@ def test_a_fragment_lands_its_short_rows_in_whole_slots_and_is_sealed(srv) -> No
     srv.store.release("old")
     sent = [fragment(c, "t/from-rank1", layer, 3, [1, 3], seed=layer, seal=layer == LAYERS - 1)
             for layer in range(LAYERS)]
-    srv.landing.wait("t/from-rank1", time.monotonic() + RPC_S, time.monotonic() + RPC_S)
+    srv.landing.entries.wait("t/from-rank1", time.monotonic() + RPC_S, time.monotonic() + RPC_S)
     assert np.array_equal(landed_prefix(srv.store, "t/from-rank1", 3, SLOT // 2), np.concatenate(sent))
     tails = landed_prefix(srv.store, "t/from-rank1", 3, SLOT)[:, SLOT // 2:]
     assert not tails.any(), "a fragment's slot tails keep another transfer's bytes"
-    assert srv.landing.heads_of("t/from-rank1") == (1, 3)
-    assert srv.landing.landed_bytes("t/from-rank1") == {"push_tcp": LAYERS * 3 * SLOT // 2}
-    assert srv.landing.counters["push_bytes"] == LAYERS * 3 * SLOT + LAYERS * 3 * SLOT // 2  # "old", then this
+    assert srv.landing.entries.heads_of("t/from-rank1") == (1, 3)
+    assert srv.landing.entries.landed_bytes("t/from-rank1") == {"push_tcp": LAYERS * 3 * SLOT // 2}
+    assert srv.landing.entries.counters["push_bytes"] == LAYERS * 3 * SLOT + LAYERS * 3 * SLOT // 2  # "old", then this
 
 
 def test_fragment_rows_bound_for_nvme_land_there_too(tmp_path) -> None:
@@ -87,7 +87,7 @@ def test_fragment_rows_bound_for_nvme_land_there_too(tmp_path) -> None:
     try:
         sent = [fragment(c, "d/from-rank0", layer, 5, [0, 1], seed=10 + layer, seal=layer == LAYERS - 1)
                 for layer in range(LAYERS)]
-        landing.wait("d/from-rank0", time.monotonic() + RPC_S, time.monotonic() + RPC_S)
+        landing.entries.wait("d/from-rank0", time.monotonic() + RPC_S, time.monotonic() + RPC_S)
         assert store.usage()["nvme"]["used_bytes"] > 0
         assert np.array_equal(landed_prefix(store, "d/from-rank0", 5, SLOT // 4), np.concatenate(sent))
         assert not landed_prefix(store, "d/from-rank0", 5, SLOT)[:, SLOT // 4:].any()

@@ -88,7 +88,7 @@ def test_the_owner_still_ends_its_own_transfers(srv) -> None:
     push(owner, "own", [0], 0, BLOCKS, BLOCKS)
     abort(owner, "own")
     with pytest.raises(TransferError) as exc:
-        srv.landing.wait("own", time.monotonic() + 1, time.monotonic() + 1)
+        srv.landing.entries.wait("own", time.monotonic() + 1, time.monotonic() + 1)
     assert exc.value.cause is FailureCause.STORE_FULL and not srv.store.contains("own")
 
 
@@ -148,8 +148,8 @@ def test_a_landed_entry_whose_token_was_forgotten_answers_nobody(srv) -> None:
     live landed entry it no longer knows a token for must answer nobody, never anybody."""
     owner, stranger = srv.client(), srv.client()
     _push_all_with(owner, "F", LANDED_TOKEN, seed=13)
-    with srv.landing._cond:
-        srv.landing._tokens.pop("F")
+    with srv.landing.entries._cond:
+        srv.landing.entries._tokens.pop("F")
     for token in ("", LANDED_TOKEN):
         _refused_everything(stranger, "F", token)
     assert srv.store.contains("F")

@@ -73,7 +73,7 @@ def test_only_the_owners_pushes_keep_an_unfinished_reservation_alive() -> None:
         assert not srv.store.contains("left"), "a stranger's Renew must not keep a reservation alive"
         assert srv.used_slots() == block
         with pytest.raises(Exception) as exc:
-            srv.landing.wait("left", time.monotonic() + 1, time.monotonic() + 1)
+            srv.landing.entries.wait("left", time.monotonic() + 1, time.monotonic() + 1)
         assert getattr(exc.value, "cause", None) is FailureCause.LEASE_EXPIRED
         # once sealed, the landed copy is the consumer's: its lease keeper renews it (any connection
         # presenting the ticket's token, issue 34)

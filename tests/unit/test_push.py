@@ -134,10 +134,10 @@ def pair():
 
 
 def landed(p: Pair, tid: str) -> np.ndarray:
-    """The consumer's side, as the worker's _load_landed: wait for the sealed landing copy, read
+    """The consumer's side, as tiered/landed.py's LandedReader.load: wait for the sealed landing copy, read
     every layer out of the landing store, have the Loader copy it into the request's blocks of a
     cleared consumer KV cache; returns those blocks as [LAYERS, BLOCKS, SLOT]."""
-    p.landing.wait(tid, time.monotonic() + 5, time.monotonic() + 5)
+    p.landing.entries.wait(tid, time.monotonic() + 5, time.monotonic() + 5)
     p.consumer_kv.rows[:] = 0
     rows = p.loader.landing_buffer(LAYERS * BLOCKS)
     try:
@@ -156,7 +156,7 @@ def test_pushed_layer_groups_land_byte_exact_and_the_producer_lets_go(pair) -> N
     assert np.array_equal(landed(pair, "t1"), data)
     assert pair.sender.flush(5) and pair.done == {"t1": None}
     assert pair.sender.pushes == LAYERS and pair.sender.bytes_pushed == data.nbytes
-    assert pair.landing.counters["landed"] == 1
+    assert pair.landing.entries.counters["landed"] == 1
 
 
 def test_an_unsealed_landing_is_never_readable(pair) -> None:
@@ -168,14 +168,14 @@ def test_an_unsealed_landing_is_never_readable(pair) -> None:
     assert pair.sender.flush(5)
     assert pair.dst.contains("t2") and not pair.dst.is_sealed("t2")
     with pytest.raises(TransferError) as exc:
-        pair.landing.wait("t2", time.monotonic() + 0.3, time.monotonic() + 0.3)
+        pair.landing.entries.wait("t2", time.monotonic() + 0.3, time.monotonic() + 0.3)
     assert exc.value.cause is FailureCause.TIMEOUT
     # PushEnd with layers 1..3 missing: refused as incomplete, the partial entry is dropped
     pair.src.release("t2")
     pair.sender.submit(PushJob("t2", pair.target, end=True))
     assert pair.sender.flush(5)
     with pytest.raises(TransferError) as exc:
-        pair.landing.wait("t2", time.monotonic() + 1, time.monotonic() + 1)
+        pair.landing.entries.wait("t2", time.monotonic() + 1, time.monotonic() + 1)
     assert exc.value.cause is FailureCause.PROTOCOL and "never written" in str(exc.value)
     assert not pair.dst.contains("t2")
 
@@ -185,7 +185,7 @@ def test_bad_checksum_is_refused_and_the_connection_keeps_serving(pair) -> None:
     data = pair.stage_and_push("good", seed=3)
     assert pair.sender.flush(5)
     with pytest.raises(TransferError) as exc:
-        pair.landing.wait("bad", time.monotonic() + 2, time.monotonic() + 2)
+        pair.landing.entries.wait("bad", time.monotonic() + 2, time.monotonic() + 2)
     assert exc.value.cause is FailureCause.CHECKSUM_MISMATCH
     assert pair.done["bad"].cause is FailureCause.CHECKSUM_MISMATCH
     assert np.array_equal(landed(pair, "good"), data)
@@ -212,7 +212,7 @@ def test_landing_store_full_fails_typed_and_keeps_nothing() -> None:
         assert p.sender.flush(5)
         assert p.done["big"].cause is FailureCause.STORE_FULL
         with pytest.raises(TransferError) as exc:
-            p.landing.wait("big", time.monotonic() + 1, time.monotonic() + 1)
+            p.landing.entries.wait("big", time.monotonic() + 1, time.monotonic() + 1)
         assert exc.value.cause is FailureCause.STORE_FULL
         assert p.dst.usage()["entries"] == 0
     finally:
@@ -227,7 +227,7 @@ def test_producer_disconnect_mid_stream_fails_the_landing_at_once() -> None:
         assert p.done["t"].cause in (FailureCause.PEER_UNREACHABLE, FailureCause.TIMEOUT)
         t0 = time.monotonic()
         with pytest.raises(TransferError) as exc:
-            p.landing.wait("t", time.monotonic() + 10, time.monotonic() + 10)
+            p.landing.entries.wait("t", time.monotonic() + 10, time.monotonic() + 10)
         assert exc.value.cause is FailureCause.PEER_UNREACHABLE
         assert time.monotonic() - t0 < 2, "the landing side must not wait for its deadline"
         deadline = time.monotonic() + 5
@@ -252,7 +252,7 @@ def test_abort_reaches_the_landing_side_with_its_cause(pair) -> None:
     pair.sender.submit(PushJob("gone", pair.target, abort=TransferError(FailureCause.STORE_FULL, "producer full")))
     assert pair.sender.flush(5)
     with pytest.raises(TransferError) as exc:
-        pair.landing.wait("gone", time.monotonic() + 1, time.monotonic() + 1)
+        pair.landing.entries.wait("gone", time.monotonic() + 1, time.monotonic() + 1)
     assert exc.value.cause is FailureCause.STORE_FULL and "producer full" in str(exc.value)
     assert "gone" not in pair.done  # the producer's own abort is not reported back as a push failure
 
@@ -260,7 +260,7 @@ def test_abort_reaches_the_landing_side_with_its_cause(pair) -> None:
 def test_a_transfer_nobody_pushed_is_reported_after_the_grace(pair) -> None:
     t0 = time.monotonic()
     with pytest.raises(TransferError) as exc:
-        pair.landing.wait("never", time.monotonic() + 10, time.monotonic() + 0.2)
+        pair.landing.entries.wait("never", time.monotonic() + 10, time.monotonic() + 0.2)
     assert exc.value.cause is FailureCause.UNKNOWN_TRANSFER and time.monotonic() - t0 < 2
 
 
@@ -272,7 +272,7 @@ def test_landed_entry_expires_when_its_consumer_never_comes() -> None:
         time.sleep(0.5)
         assert p.dst.expire_now() == ["t"]
         with pytest.raises(TransferError) as exc:
-            p.landing.wait("t", time.monotonic() + 1, time.monotonic() + 1)
+            p.landing.entries.wait("t", time.monotonic() + 1, time.monotonic() + 1)
         assert exc.value.cause is FailureCause.LEASE_EXPIRED
     finally:
         p.close()
@@ -389,7 +389,7 @@ def test_an_abort_after_a_local_failure_still_reaches_the_landing_side(pair) -> 
     pair.sender.submit(PushJob("gone", pair.target, abort=TransferError(FailureCause.UNKNOWN_TRANSFER, "aborted")))
     assert pair.sender.flush(5)
     with pytest.raises(TransferError) as exc:
-        pair.landing.wait("gone", time.monotonic() + 1, time.monotonic() + 1)
+        pair.landing.entries.wait("gone", time.monotonic() + 1, time.monotonic() + 1)
     assert "aborted" in str(exc.value)
     assert not pair.dst.contains("gone")
 
@@ -408,7 +408,7 @@ def test_a_target_that_cannot_be_reached_keeps_the_producer_copy(pair) -> None:
 
 def test_a_consumer_that_gave_up_refuses_what_still_comes(pair) -> None:
     """After abandon() (the consumer pulls instead), a late push is refused in step and nothing lands."""
-    pair.landing.abandon("late", TransferError(FailureCause.TIMEOUT, "waited long enough"))
+    pair.landing.entries.abandon("late", TransferError(FailureCause.TIMEOUT, "waited long enough"))
     pair.stage_and_push("late")
     assert pair.sender.flush(5)
     assert pair.done["late"].refused and pair.dst.usage()["entries"] == 0
@@ -420,7 +420,7 @@ def test_a_stalled_nixl_producer_holds_the_landing_side_for_a_bounded_time() -> 
     must not hold it for a minute. Each READ's deadline follows its size (a floor of a few seconds),
     and the READ that runs out fails that transfer alone."""
     from kvconnectors.transport.paths import nixl as landing_mod  # the nixl landing path's READ bounds
-    from kvconnectors.transport.landing import ConnectionState
+    from kvconnectors.transport.landed_entries import ConnectionState
 
     deadlines: list[float] = []
 
@@ -442,9 +442,9 @@ def test_a_stalled_nixl_producer_holds_the_landing_side_for_a_bounded_time() -> 
                         first_block=0, num_blocks=BLOCKS, data_path="nixl", offsets=list(range(2 * BLOCKS)),
                         nixl_agent_meta=b"meta", nixl_base_address=1 << 20)
         conn = ConnectionState("producer")
-        landing._claim(msg, conn)
+        landing.entries.claim(msg, conn)
         with pytest.raises(TransferError) as exc:
-            with landing.paths["nixl"].receive(None, msg, landing.row_bytes(msg), conn.bounce):
+            with landing.receiver.paths["nixl"].receive(None, msg, landing.receiver.row_bytes(msg), conn.bounce):
                 pass
         assert exc.value.cause is FailureCause.TIMEOUT
         (left,) = deadlines
@@ -469,7 +469,7 @@ def test_a_group_larger_than_one_push_goes_as_several_block_ranges(pair) -> None
     assert np.array_equal(landed(pair, "split"), data)
     assert pair.sender.flush(5) and pair.done == {"split": None}
     assert pair.sender.pushes == 2 and pair.sender.bytes_pushed == data.nbytes
-    assert pair.landing.counters["pushes"] == 6
+    assert pair.landing.entries.counters["pushes"] == 6
     # a wrong checksum in a later part fails the transfer there, typed
     _, sums = _stage_only(pair, "split2", 8)
     bad = _sums(sums, [0, 1])
@@ -487,7 +487,7 @@ def test_a_request_dropped_while_its_push_is_landing_frees_the_landing_copy(pair
     _, sums = _stage_only(pair, "dropped", 9)
     pair.sender.submit(PushJob("dropped", pair.target, [0, 1], 0, BLOCKS, _sums(sums, [0, 1])))
     assert pair.sender.flush(5) and pair.dst.contains("dropped")
-    pair.landing.forget("dropped")
+    pair.landing.entries.forget("dropped")
     try:
         pair.dst.release("dropped")
     except TransferError:

@@ -490,7 +490,7 @@ def test_pushes_to_a_larger_tp_size_land_each_consumer_ranks_heads(pools, p_tp, 
     for r, w in enumerate(consumers):
         assert loaded_equals_reference(full, w, d_tp, r), f"consumer rank {r}"
         assert w.totals.data["bytes_by_path"] == {"push_tcp": rows}, w.totals.data["bytes_by_path"]
-        assert w.landing.counters["landed"] == 1 and w.store.usage()["entries"] == 0
+        assert w.landing.entries.counters["landed"] == 1 and w.store.usage()["entries"] == 0
     assert all(w.store.usage()["entries"] == 0 for w in producers), "a producer kept its copy after every rank landed it"
     assert sum(w.totals.data["bytes_pushed"] for w in producers) == d_tp * rows  # each rank's heads, once
     assert not any(w.totals.data["failures"] for w in producers + consumers)
@@ -525,7 +525,7 @@ def test_pushes_to_a_smaller_tp_size_land_head_fragments_the_consumer_rank_assem
     assert loaded_equals_reference(full, w, 1, 0)
     rows = LAYERS * len(CONSUMER_IDS) * w.geometry.block_bytes
     assert w.totals.data["bytes_by_path"] == {"push_tcp": rows}, w.totals.data["bytes_by_path"]
-    assert w.landing.counters["landed"] == 2 and w.store.usage()["entries"] == 0
+    assert w.landing.entries.counters["landed"] == 2 and w.store.usage()["entries"] == 0
     serving = range(0, p_tp, p_tp // 2)  # (the others' copies go when the consumer's scheduler releases them)
     assert all(producers[r].store.usage()["entries"] == 0 for r in serving), "a producer kept its copy after it landed"
     assert sum(p.totals.data["bytes_pushed"] for p in producers) == rows  # each head once
@@ -538,8 +538,8 @@ def test_a_failed_fragment_load_fails_typed_and_leaves_no_fragment_behind(pools)
     retry could still use it, is freed with the final failure."""
     full, producers, consumers, target = push_pools(pools, 2, 1)
     (w,) = consumers
-    take = w.landing._fragment_rows
-    w.landing._fragment_rows = lambda a, b: (_ for _ in ()).throw(ValueError("no")) if a == 1 else take(a, b)
+    take = w.landing.receiver._fragment_rows
+    w.landing.receiver._fragment_rows = lambda a, b: (_ for _ in ()).throw(ValueError("no")) if a == 1 else take(a, b)
     ticket = stage(producers, "t-gone", kvparams.new_token(), push_target=target)
     producers[1].server.close()
     err = load(consumers, ticket)[0]
@@ -553,8 +553,8 @@ def test_a_fragment_that_fills_other_heads_than_the_plan_says_is_never_loaded(po
     its copy, fails typed; wrong heads never reach the cache as if they were right."""
     full, producers, consumers, target = push_pools(pools, 2, 1)
     (w,) = consumers
-    heads_of = w.landing.heads_of
-    w.landing.heads_of = lambda key: (1, 2) if key.endswith("rank0") else heads_of(key)
+    heads_of = w.landing.entries.heads_of
+    w.landing.entries.heads_of = lambda key: (1, 2) if key.endswith("rank0") else heads_of(key)
     ticket = stage(producers, "t-heads", kvparams.new_token(), push_target=target)
     err = load(consumers, ticket)[0]
     assert err is not None and "producer rank 0 of 2" in err.detail, err
@@ -577,13 +577,13 @@ def test_a_refused_fragment_is_pulled_from_its_producer_rank_and_the_landed_one_
     kept its copy; the blocks are still byte-exact."""
     full, producers, consumers, target = push_pools(pools, 2, 1)
     (w,) = consumers
-    take = w.landing._fragment_rows
+    take = w.landing.receiver._fragment_rows
 
     def refuse_second_head(start: int, stop: int) -> tuple[str, int]:
         if start == 1:
             raise ValueError("refused by the test")
         return take(start, stop)
-    w.landing._fragment_rows = refuse_second_head
+    w.landing.receiver._fragment_rows = refuse_second_head
     ticket = stage(producers, "t-refuse", kvparams.new_token(), push_target=target)
     assert [p.store.usage()["entries"] for p in producers] == [0, 1]
     assert producers[1].totals.data["failures"] == {"push_layout_mismatch": 1}
@@ -599,7 +599,7 @@ def test_a_refused_slice_push_keeps_the_producer_copy_for_that_rank_to_pull(pool
     changed under it: layout_mismatch): rank 0 lands its push, rank 1 pulls its slice, and the
     producer keeps its copy after the landed route, for that pull."""
     full, producers, consumers, target = push_pools(pools, 1, 2)
-    consumers[1].landing.fingerprint = "0" * 16
+    consumers[1].landing.receiver.fingerprint = "0" * 16
     ticket = stage(producers, "t-refused", kvparams.new_token(), push_target=target)
     assert producers[0].store.usage()["entries"] == 1, "the producer let go although a rank was refused"
     assert producers[0].totals.data["failures"] == {"push_layout_mismatch": 1}

@@ -256,3 +256,23 @@ def test_idle_server_uses_no_cpu() -> None:
         c.close()
         srv.close()
         store.close()
+
+
+def test_a_servers_settings_are_fixed_and_its_secret_never_printed() -> None:
+    """The parts read the settings once (handshake, grants, pull service): a later assignment would
+    silently change nothing (a security setting would fail open), so it is refused; the settings'
+    repr (assertion output, debug logs) never shows the secret."""
+    store = TieredStore(StoreConfig(slot_bytes=SLOT, dram_bytes=4 * SLOT))
+    secret = b"s3cret-value-not-in-any-repr-0123456789"
+    srv = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=LAYERS, compat=COMPAT, secret=secret)
+    try:
+        for name, value in (("require_grants", True), ("secret", None), ("protection", "aead"),
+                            ("handshake_timeout_s", 1.0)):
+            with pytest.raises(AttributeError, match=name):
+                setattr(srv, name, value)
+        with pytest.raises(AttributeError):
+            srv.landing = None  # the grants consult the landing table they were built with
+        assert srv.settings.secret == secret and "s3cret" not in repr(srv.settings)
+    finally:
+        srv.close()
+        store.close()
