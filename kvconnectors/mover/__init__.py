@@ -7,10 +7,13 @@ drive the same classes the connector's worker wires up:
 - `stager`        engine blocks -> host store slots (producer);
 - `loader`        host bytes -> engine blocks (consumer);
 - `block_views`   a transfer's destination blocks as views, each made when asked for;
-- `block_shares`  per-block copy and checksum work split over threads (shm's copy in C).
+- `block_shares`  per-block copy and checksum work split over threads (shm's copy in C);
+- `checksums`     the per-block xxh3 checksum, its check and the error a mismatch raises;
+- `heads`         which KV heads each tensor-parallel rank holds (pure arithmetic);
+- `reslice`       head slices of host rows, and the check, pack and rehash of a sliced send.
 
-The names below load on first use: `block_views` and `block_shares` need numpy only, and the
-transport uses them without paying for torch.
+The names below load on first use: `block_views`, `block_shares` and `checksums` need numpy (and
+xxhash) only, and the transport uses them without paying for torch.
 """
 
 from importlib import import_module

@@ -7,7 +7,7 @@ k/v weights: with `total_kv_heads >= tp` rank r holds `total_kv_heads // tp` con
 `r // num_kv_head_replicas`). Both divisions must be exact (vLLM's `divide` asserts it).
 
 A plan is pure integers: no tensors, no vLLM. The byte-level copy that follows a plan is in
-`kvconnectors.mover.reslice`.
+`kvconnectors.mover.reslice`; the connector's plans for both directions are made in `tiered/tp.py`.
 """
 
 from __future__ import annotations

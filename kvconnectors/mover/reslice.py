@@ -6,7 +6,9 @@ order: the layout's axis order with the layer axis dropped and the block axis st
 kernel blocks (S) of a manager block, e.g. LBHNC -> [S, H, N, C], LBNHC -> [S, N, H, C],
 LHBNC -> [H, S, N, C]. Seen as [outer, H, inner] (inner in bytes), heads h0..h1 are `outer` runs of
 `(h1 - h0) * inner` bytes: one run where heads lead the row (a strided copy), one per token where
-they interleave with tokens (NHD: a gather of C-byte pieces).
+they interleave with tokens (NHD: a gather of C-byte pieces). A producer sending only some heads
+(the tcp head read, a sliced push) checks, packs and rehashes its staged rows in one place,
+`pack_checked_heads`. Which heads go where is planned in `tiered/tp.py` (over `mover.heads`).
 
 vLLM's CPU backend (CPU_ATTN, LBHNC only) packs the interior of each (kernel block, head) region
 per ISA: K column-major for vec/vec16, K in 16-token quad-word groups and V in token pairs for
@@ -26,6 +28,8 @@ from typing import Mapping, Sequence, Union
 import numpy as np
 import torch
 
+from kvconnectors.mover.block_shares import hash_rows
+from kvconnectors.mover.checksums import verify_checksums
 from kvconnectors.mover.geometry import LAYOUTS, PLAIN_CACHE_DTYPES, BlockGeometry, UnsupportedKVCache
 from kvconnectors.mover.heads import HeadRange, HeadSplitError, SliceStep
 
@@ -187,6 +191,24 @@ def pack_heads(rows: Rows, rl: RowLayout, heads: HeadRange) -> np.ndarray:
     v = _heads_view(rows, rl, "rows")[:, :, heads.start:heads.stop]
     v = v.numpy() if isinstance(v, torch.Tensor) else v
     return np.array(v, dtype=np.uint8, order="C", copy=True).reshape(rows.shape[0], -1)
+
+
+def pack_checked_heads(rows: np.ndarray, rl: RowLayout, heads: HeadRange, staged: Sequence[int] | None,
+                       transfer_id: str, *, first: int = 0,
+                       of: int | None = None) -> tuple[np.ndarray, list[int] | None]:
+    """Heads `heads` of staged rows as they travel to a consumer rank of another TP size (the tcp
+    head read, a sliced push): (packed rows, their xxh3 checksums). With `staged` (the rows' staged
+    checksums; None: checksums are off) the rows are checked first, so corruption in the producer's
+    store fails as checksum_mismatch (naming block first + i of `of`), as the consumer would have
+    found it on whole rows; packing drops the staged sums, so the packed rows get their own."""
+    if staged is not None:
+        verify_checksums(staged, [memoryview(r) for r in rows], transfer_id, first=first, of=of)
+    packed = pack_heads(rows, rl, heads)
+    if staged is None:
+        return packed, None
+    sums = np.empty(len(packed), dtype=np.uint64)
+    hash_rows(packed, sums)  # the stager's xxh3, natively without the GIL
+    return packed, sums.tolist()
 
 
 def unpack_heads(packed: np.ndarray, rows: Rows, rl: RowLayout, heads: HeadRange) -> None:

@@ -4,7 +4,7 @@ The landing receiver (transport/landing.py) fills this rank's store with pushed 
 landed-entry table (`landing`, transport/landed_entries.py) with its records of them; this
 part waits until a request's entry is sealed there (every layer of every block), copies it into
 the request's KV cache blocks and lets it go. Decode TP < prefill TP: each producer rank pushed
-the heads it serves here as a head fragment under its own id (push_routes.py); the rows are
+the heads it serves here as a head fragment under its own id (tp.py `fragment_id`); the rows are
 assembled from all of them, a fragment that did not land is pulled from its producer rank
 instead (resliced.py), and nothing partial reaches the cache. Entries that did not land at all
 are left to the puller, which pulls them from the producer.
@@ -26,9 +26,8 @@ from kvconnectors.store import TieredStore
 from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.layout import KVLayout
 from kvconnectors.tiered.load import Load
-from kvconnectors.tiered.push_routes import fragment_id, is_fragment_of
 from kvconnectors.tiered.resliced import ReslicedReads
-from kvconnectors.tiered.tp import Reslice
+from kvconnectors.tiered.tp import Reslice, fragment_id, is_fragment_of
 from kvconnectors.transport import tamper
 from kvconnectors.transport.landed_entries import LandedEntries
 
@@ -68,7 +67,7 @@ class LandedReader:
 
     def load_fragments(self, load: Load, rs: Reslice, deadline: float) -> dict[str, int]:
         """Decode TP < prefill TP: each producer rank of the plan pushed the heads it serves here as
-        a fragment (push_routes.py). Copy each sealed fragment's heads into this rank's rows; a
+        a fragment (tp.py `push_routes`). Copy each sealed fragment's heads into this rank's rows; a
         fragment that did not land (refused, lost, never came) is pulled from its producer rank
         instead, which kept its copy (the others let theirs go once landed). The rows are loaded
         only once every rank's heads are in: nothing partial reaches the cache. After a failure
@@ -162,7 +161,7 @@ class LandedReader:
 
 def fragment_shapes(layout: KVLayout, row_layout: RowLayout) -> Callable[[int, int], tuple[str, int]]:
     """For the landing receiver: the rows fingerprint and row bytes of a head fragment filling this
-    rank's heads [start, stop) (push_routes.py); ValueError for a range that is not part of them."""
+    rank's heads [start, stop) (tp.py `push_routes`); ValueError for a range that is not part of them."""
     known: dict[tuple[int, int], tuple[str, int]] = {}  # asked for every Push of a fragment
 
     def shape(start: int, stop: int) -> tuple[str, int]:

@@ -128,7 +128,7 @@ class Puller:
                                 f"{len(spec.block_ids)} local blocks allocated for {num_blocks} remote blocks")
         load = Load(spec, p, spec.block_ids[:num_blocks], tamper.kind_of(p.transfer_id, self.config.test_hooks))
         # Pushed here: this rank's rows (at another TP size when one producer rank holds all its
-        # heads), or head fragments from several producer ranks (push_routes.py, pulled one by one
+        # heads), or head fragments from several producer ranks (tp.py `push_routes`, pulled one by one
         # where missing); when they did not land, pull.
         if p.push_target and self._landed is not None and reslice is not None and not reslice.one_source:
             return self._landed.load_fragments(load, reslice, deadline)

@@ -2,9 +2,10 @@
 
 The staging book (staging.py) tells this part what it staged, step by step; this part turns that
 into PushJobs for the push sender's thread (transport/push.py): one route per consumer rank this
-rank serves (push_routes.py), layer groups as they fill, the last group with the seal, an abort
-when staging failed or the request was dropped. When every route landed, the staged copy is let
-go (each consumer rank holds its own, under its own lease). A route refused in step keeps the
+rank serves (planned by tp.py `push_routes` for the decode's TP size, which `ConsumerSizes` asks
+and remembers), layer groups as they fill, the last group with the seal, an abort when staging
+failed or the request was dropped. When every route landed, the staged copy is let go (each
+consumer rank holds its own, under its own lease). A route refused in step keeps the
 staged copy for that consumer's pull; a push broken on the wire is reported through `on_lost`,
 because then no consumer will pull it either.
 """
@@ -26,19 +27,50 @@ from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.layout import KVLayout
 from kvconnectors.tiered.links import PeerLinks
 from kvconnectors.tiered.metadata import SaveSpec
-from kvconnectors.tiered.push_routes import Addr, ConsumerSizes, NotPushable, PushRoute, fragment_id, push_routes
+from kvconnectors.tiered.tp import NotPushable, PushRoute, fragment_id, push_routes
 from kvconnectors.transport.paths import PushPath
-from kvconnectors.transport.protocol import parse_target
+from kvconnectors.transport.protocol import Addr, parse_target
 from kvconnectors.transport.push import PushJob, PushSender
 
 logger = get_logger(__name__)
+SIZE_TTL_S = 60.0        # a decode instance's TP size is asked again after this (it may have been restarted)
+UNREACHABLE_TTL_S = 5.0  # after a failed ask, transfers for that address are staged for pulls this long
+
+
+class ConsumerSizes:
+    """The TP size of the decode instance behind each landing address, asked over the store protocol
+    (`ask(host, port) -> tp_size`, 0 for a store that does not say: taken as ours) and remembered."""
+
+    def __init__(self, ask: Callable[[str, int], int], default: int):
+        self._ask, self._default = ask, default
+        self._lock = threading.Lock()
+        self._known: dict[Addr, tuple[float, int | TransferError]] = {}
+
+    def tp_size(self, host: str, port: int) -> int:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._known.get((host, port))
+        if hit is not None and hit[0] > now:
+            if isinstance(hit[1], TransferError):
+                raise hit[1]
+            return hit[1]
+        try:
+            size = self._ask(host, port) or self._default
+        except TransferError as exc:
+            with self._lock:
+                self._known[(host, port)] = (now + UNREACHABLE_TTL_S, exc)
+            raise
+        with self._lock:
+            self._known[(host, port)] = (now + SIZE_TTL_S, size)
+        return size
 
 
 class PushBook:
     def __init__(self, store: TieredStore, layout: KVLayout, row_layout: RowLayout | UnsupportedKVCache,
                  config: TieredConfig, links: PeerLinks, path: PushPath, record: Callable[..., None],
-                 on_lost: Callable[[str, TransferError], None]):
-        """`on_lost(tid, error)`: a push broke on the wire (called without this part's lock held)."""
+                 on_lost: Callable[[str, TransferError], None], link_bytes_per_s: float | None = None):
+        """`on_lost(tid, error)`: a push broke on the wire (called without this part's lock held).
+        `link_bytes_per_s`: benchmarks only, the sender emulates a link this slow (bench layerwise)."""
         self.store, self.layout, self.row_layout, self.config = store, layout, row_layout, config
         self._links, self._record, self._on_lost = links, record, on_lost
         self._lock = threading.RLock()
@@ -50,13 +82,13 @@ class PushBook:
         self._said_not_pushable: set[Addr] = set()
         self.sender = PushSender(store, fingerprint=layout.rows_fingerprint, num_layers=layout.num_layers,
                                  client_factory=links.connect, timeout_s=config.load_timeout_s,
-                                 on_done=self._done, path=path,
+                                 on_done=self._done, path=path, link_bytes_per_s=link_bytes_per_s,
                                  row_layout=row_layout if isinstance(row_layout, RowLayout) else None)
 
     # ------------------------------------------------------------------ from the staging book
     def start(self, tid: str, target: str) -> None:
         """Push `tid` to the consumer ranks behind `target` (its rank 0's landing store; rank r
-        listens on port + r) that this rank serves (push_routes.py), unless the target is not
+        listens on port + r) that this rank serves (tp.py `push_routes`), unless the target is not
         allowed (a typed BAD_PARAMS error naming the field and value), cannot be asked, or the TP
         sizes are served by pulls: then it is staged for a pull only."""
         try:

@@ -21,11 +21,11 @@ from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.lease_keeper import LeaseKeeper
 from kvconnectors.tiered.metadata import (RecvSpec, SaveSpec, TieredConnectorMetadata,
                                           TieredHandshakeMetadata)
+from kvconnectors.tiered.tp import fragment_id
 from kvconnectors.transport import tamper
 from kvconnectors.transport.auth import load_secret
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.peers import PeerPolicy
-from kvconnectors.tiered.push_routes import fragment_id
 from kvconnectors.transport.protocol import parse_target
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class TieredConnectorScheduler:
         self._waiting_remote[request.request_id] = (addrs, tp.transfer_id, tp.token)
         if tp.v >= 4 and tp.tp_size != self._tp_size:
             # another TP size: each rank reads its heads from some producer ranks (or they were pushed
-            # here, tiered/push_routes.py); every producer rank is released once the load is over
+            # here, tiered/tp.py `push_routes`); every producer rank is released once the load is over
             self._resliced[request.request_id] = (addrs, tp.transfer_id, tp.token)
         if tp.push_target and self.config.transfer_mode == "push":
             # Pushed here: the copy that matters is in our own landing stores, under their own lease,

@@ -57,7 +57,9 @@ class StagingFailures:
 class StagingBook:
     def __init__(self, store: TieredStore, stager: Stager, ops: DeviceOps, layout: KVLayout, config: TieredConfig,
                  server: StoreServer, failures: StagingFailures, record: Callable[..., None],
-                 links: PeerLinks, push_path: PushPath, row_layout: RowLayout | UnsupportedKVCache):
+                 links: PeerLinks, push_path: PushPath, row_layout: RowLayout | UnsupportedKVCache,
+                 link_bytes_per_s: float | None = None):
+        """`link_bytes_per_s`: benchmarks only, pushes emulate a link this slow (pushes.py)."""
         self.store, self.stager, self.ops, self.layout, self.config = store, stager, ops, layout, config
         self.server, self.failures, self._record = server, failures, record
         self._checksums: dict[str, np.ndarray] = {}  # transfer -> layer x block checksums, until sealed
@@ -65,7 +67,8 @@ class StagingBook:
         self._copies: list[Future] = []  # this step's copy futures
         self._layers_this_step: dict[str, set[int]] = {}  # transfer -> layers staged in this step
         self._lock = threading.RLock()  # the staging thread, the forward thread and the push sender's
-        self.pushes = PushBook(store, layout, row_layout, config, links, push_path, record, on_lost=self.fail)
+        self.pushes = PushBook(store, layout, row_layout, config, links, push_path, record, on_lost=self.fail,
+                               link_bytes_per_s=link_bytes_per_s)
 
     # ------------------------------------------------------------------ forward thread
     def save_layer(self, meta: TieredConnectorMetadata, layer: int) -> None:

@@ -53,7 +53,7 @@ Who may do what (the landing side faces any peer that reaches the store port):
   store_full (its bytes are read and dropped; the producer keeps its copy, the consumer pulls)
   instead of allocating. NIXL pushes READ through one registered bounce buffer; those larger than
   it (from producers that do not split groups) are gathered in a buffer counted against the cap.
-- Head fragments (decode TP < prefill TP, tiered/push_routes.py). A Push with `heads` [start, stop)
+- Head fragments (decode TP < prefill TP, tiered/tp.py `push_routes`). A Push with `heads` [start, stop)
   carries rows holding only those of this rank's KV heads, under the fragment's own id: its
   fingerprint must be that of such rows (`fragment_rows`, None: fragments are refused), over tcp
   only. Otherwise it is an ordinary pushed transfer (owner, lease, seal); each row lands in the

@@ -1,7 +1,8 @@
 """Terms both ends of the transfer protocol share, in one low module every side may import.
 
 - hanging up: `HungUp` (a connection must end now) and `hang_up` (end it);
-- checksums: `block_checksum` (xxh3 of one block), `verify_checksums`, `checksum_mismatch`;
+- (checksums: `mover/checksums.py`, below the transport, so the mover's head slicer raises the same
+  `checksum_mismatch` as the data paths);
 - the wire_protection setting's check (`check_protection`), made by clients and servers alike;
 - push: the size limit of one Push (`MAX_PUSH_BYTES`), the bytes that follow a Push frame
   (`trailing_bytes`), and the landing store's address in a ticket (`parse_target`).
@@ -13,12 +14,8 @@ without loading the data paths.
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
 
-import xxhash
-
-from kvconnectors.errors import ConfigError, FailureCause, TransferError
-from kvconnectors.mover import block_shares
+from kvconnectors.errors import ConfigError, TransferError
 from kvconnectors.transport import auth, wire
 
 Addr = tuple[str, int]
@@ -48,28 +45,6 @@ def peer_name(sock: socket.socket) -> str:
         return "%s:%s" % sock.getpeername()[:2]
     except OSError:
         return "?"
-
-
-def block_checksum(view) -> int:
-    return xxhash.xxh3_64_intdigest(view)
-
-
-def verify_checksums(expected: Sequence[int], dest: Sequence[memoryview], transfer_id: str, *,
-                     first: int = 0, of: int | None = None, addrs=None) -> None:
-    """`dest` are blocks first.. of a transfer of `of` blocks (default: just these); large lists are
-    hashed in parallel shares (mover/block_shares.py; natively given `addrs`, dest's addresses), the
-    lowest mismatching block is the one named."""
-    bad = block_shares.first_mismatch(expected, dest, addrs)
-    if bad is not None:
-        raise checksum_mismatch(transfer_id, first + bad, of or len(dest), dest[bad], expected[bad])
-
-
-def checksum_mismatch(transfer_id: str, index: int, of: int, view, want: int) -> TransferError:
-    """The error for block `index` of `of`, found not to match its staged checksum `want` (raised
-    as found: the view is hashed again only to say what it holds)."""
-    return TransferError(FailureCause.CHECKSUM_MISMATCH, (
-        f"transfer {transfer_id!r}: block {index} of {of} has checksum {block_checksum(view):016x}, "
-        f"producer staged {want:016x}"))
 
 
 def check_protection(protection: str, secret: bytes | None) -> None:

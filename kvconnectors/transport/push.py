@@ -13,8 +13,9 @@ is still good for. A job that aborts a transfer (the producer gave up on it) onl
 side; it reports nothing back.
 
 Pools of different TP sizes (issue 20): a job with `heads` sends only those KV heads of each staged
-row (mover.reslice.pack_heads over tcp, fresh checksums after the staged ones are verified), under
-the receiving rank's rows fingerprint; the worker sends one job per consumer rank it serves.
+row over tcp (mover.reslice.pack_checked_heads, the tcp head read's own: staged checksums verified,
+heads packed, fresh checksums), under the receiving rank's rows fingerprint; the pusher sends one
+job per consumer rank it serves (routes: tiered/tp.py).
 
 One Push carries at most `max_push_bytes` (64 MiB): a larger layer group goes as several Pushes
 of consecutive block ranges (the last one sealing, when the job does). The landing side lends
@@ -35,12 +36,12 @@ import numpy as np
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.logs import get_logger
 from kvconnectors.mover.heads import HeadRange
-from kvconnectors.mover.reslice import RowLayout, pack_heads
+from kvconnectors.mover.reslice import RowLayout, pack_checked_heads
 from kvconnectors.store import TieredStore
 from kvconnectors.transport import wire
 from kvconnectors.transport.client import StoreClient
 from kvconnectors.transport.paths import TCP_PUSH, PushPath
-from kvconnectors.transport.protocol import MAX_PUSH_BYTES, Addr, block_checksum, verify_checksums
+from kvconnectors.transport.protocol import MAX_PUSH_BYTES, Addr
 
 logger = get_logger(__name__)
 
@@ -215,7 +216,8 @@ class PushSender:
 
     def _push_heads(self, client: StoreClient, job: PushJob, deadline: float) -> None:
         """Some heads of each staged row: read the rows (they may be on NVMe), check them against
-        the checksums they were staged with, pack the heads, checksum what is sent; over tcp."""
+        the checksums they were staged with, pack the heads, checksum what is sent
+        (`pack_checked_heads`); over tcp."""
         rl, heads = self.row_layout, job.heads
         if rl is None or heads is None:
             raise TransferError(FailureCause.LAYOUT_MISMATCH, "this producer's rows cannot be sliced by head")
@@ -225,11 +227,7 @@ class PushSender:
             first, n = head["first_block"], head["num_blocks"]
             rows = np.empty((len(job.layers) * n, slot), dtype=np.uint8)
             self.store.read_into(job.transfer_id, job.layers, first, rows, unsealed=True)  # layer-major
-            if head["checksums"] is not None:
-                verify_checksums(head["checksums"], [memoryview(r) for r in rows], job.transfer_id)
-            out = pack_heads(rows, rl, heads)
-            if head["checksums"] is not None:
-                head["checksums"] = [block_checksum(r) for r in out]
+            out, head["checksums"] = pack_checked_heads(rows, rl, heads, head["checksums"], job.transfer_id)
             self._pace(out.nbytes)
             client.push(wire.Push(**head, nbytes=out.nbytes), [memoryview(out.reshape(-1))], deadline)
         self.pushes += 1

@@ -123,8 +123,7 @@ def test_a_ticket_naming_a_host_outside_allowed_peers_is_refused_before_any_conn
 def test_a_push_target_outside_allowed_peers_is_refused_naming_field_and_value(caplog) -> None:
     """Checked before anything connects (not even the ask for the decode's TP size); the transfer is
     staged for a pull, the refusal logged and counted. An allowed target is asked, then pushed to."""
-    from kvconnectors.tiered.push_routes import ConsumerSizes
-    from kvconnectors.tiered.pushes import PushBook
+    from kvconnectors.tiered.pushes import ConsumerSizes, PushBook
     from kvconnectors.tiered.results import LoadResults
 
     links, results = _links(["10.0.0.0/8"]), LoadResults()

@@ -369,7 +369,7 @@ def test_the_scheduler_releases_every_producer_rank_after_a_resliced_load() -> N
 
 
 def test_a_pushed_request_from_a_larger_tp_size_has_its_head_fragments_renewed() -> None:
-    from kvconnectors.tiered.push_routes import fragment_id
+    from kvconnectors.tiered.tp import fragment_id
 
     for d_tp, fragments in ((1, [0, 1]), (2, [])):
         sched, ticket = consumer_scheduler(d_tp)
@@ -515,7 +515,7 @@ def test_pushes_to_a_smaller_tp_size_land_head_fragments_the_consumer_rank_assem
     fragment under its own id (P4: heads replicated on two ranks each, one replica pushes); the
     consumer rank assembles them (nothing pulled), the producer ranks let their copies go, and
     every fragment's landing entry is gone after the load."""
-    from kvconnectors.tiered.push_routes import fragment_id
+    from kvconnectors.tiered.tp import fragment_id
 
     full, producers, consumers, target = push_pools(pools, p_tp, 1)
     ticket = stage(producers, "t-frag", kvparams.new_token(), push_target=target)
@@ -626,7 +626,7 @@ def test_push_routes_per_tp_pairing() -> None:
     from kvconnectors.mover.reslice import geometry_row_layout
     from kvconnectors.mover.shapes import synthetic_caches as caches_of
     from kvconnectors.tiered.layout import detect_layout as detect
-    from kvconnectors.tiered.push_routes import PushRoute, push_routes
+    from kvconnectors.tiered.tp import PushRoute, push_routes
 
     def side(tp: int, rank: int):
         lay, geometry = detect(caches_of("LBHNC", num_layers=LAYERS, num_blocks=BLOCKS,
@@ -656,7 +656,7 @@ def test_push_routes_per_tp_pairing() -> None:
 
 
 def test_a_decode_instances_tp_size_is_asked_once_and_a_failed_ask_is_remembered_briefly(monkeypatch) -> None:
-    from kvconnectors.tiered import push_routes as pr
+    from kvconnectors.tiered import pushes as pr
 
     now = [100.0]
     monkeypatch.setattr(pr.time, "monotonic", lambda: now[0])

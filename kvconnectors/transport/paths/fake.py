@@ -23,8 +23,9 @@ from collections.abc import Callable
 import numpy as np
 
 from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.mover.checksums import verify_checksums
 from kvconnectors.transport import wire
-from kvconnectors.transport.protocol import hang_up, verify_checksums
+from kvconnectors.transport.protocol import hang_up
 
 Handler = Callable[[wire.Read, np.ndarray], np.ndarray]
 

@@ -20,11 +20,11 @@ import numpy as np
 import xxhash
 
 from kvconnectors.errors import FailureCause, TransferError
+from kvconnectors.mover.checksums import verify_checksums
 from kvconnectors.transport import wire
 from kvconnectors.transport.nixl import NixlSink, NixlSource
 from kvconnectors.transport.paths.ends import PUSH_UNOFFERED
 from kvconnectors.transport.paths.offsets import ArenaPull
-from kvconnectors.transport.protocol import verify_checksums
 
 NIXL_BOUNCE_BYTES = 64 << 20       # landing side: registered once; larger pushes are READ in pieces
 # A NIXL READ holds the landing side's one bounce buffer, so a stalled producer blocks every other

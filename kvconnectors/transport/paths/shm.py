@@ -17,10 +17,10 @@ from typing import Any
 
 from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.mover import block_shares
+from kvconnectors.mover.checksums import checksum_mismatch
 from kvconnectors.store.arena import SHM_DIR, ArenaRefused, open_peer_arena
 from kvconnectors.store.config import _NAME_RE as SHM_NAME_RE  # a store's shm_name: its arena's file name
 from kvconnectors.transport.paths.offsets import ArenaPull
-from kvconnectors.transport.protocol import checksum_mismatch
 
 
 class ShmPull(ArenaPull):

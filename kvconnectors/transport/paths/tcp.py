@@ -20,8 +20,9 @@ import numpy as np
 
 from kvconnectors.errors import FailureCause, StoreFullError, TransferError
 from kvconnectors.mover import block_shares
+from kvconnectors.mover.checksums import checksum_mismatch
 from kvconnectors.transport import wire
-from kvconnectors.transport.protocol import INLINE, HungUp, block_checksum, checksum_mismatch, hang_up, verify_checksums
+from kvconnectors.transport.protocol import INLINE, HungUp, hang_up
 
 IOV_MAX = 1024  # Linux's limit on buffers per recvmsg
 
@@ -88,10 +89,11 @@ class TcpHeadsPull(TcpPull):
     this producer rank's heads, so only that slice travels (P TP 1 -> D TP 2: half the bytes). The
     server reads each row, checks it against the checksum it was staged with (what the consumer
     would have checked: corruption in the store still fails the read, as checksum_mismatch),
-    packs the heads (`mover.reslice.pack_heads`: rows of the same layout with fewer heads) and
-    streams them, with xxh3 checksums of the packed rows for the consumer to verify. Offered by a
-    producer whose rows can be sliced (`row_layout`); a server without it refuses the read in
-    step, and the consumer reads whole rows instead."""
+    packs the heads (rows of the same layout with fewer heads) and streams them, with xxh3
+    checksums of the packed rows for the consumer to verify: `mover.reslice.pack_checked_heads`,
+    the same check, pack and rehash as a sliced push. Offered by a producer whose rows can be
+    sliced (`row_layout`); a server without it refuses the read in step, and the consumer reads
+    whole rows instead."""
     name = "inline_heads"
 
     def __init__(self, row_layout: Any):
@@ -99,7 +101,7 @@ class TcpHeadsPull(TcpPull):
 
     def serve(self, ctx, sock, read, nvme_slots, ttl, checksums, outgoing=None) -> None:
         from kvconnectors.mover.heads import HeadRange  # imports torch: only producers that slice
-        from kvconnectors.mover.reslice import pack_heads
+        from kvconnectors.mover.reslice import pack_checked_heads
 
         rl, n = self.row_layout, read.num_blocks
         if read.heads is None or len(read.heads) != 2 or not 0 <= read.heads[0] < read.heads[1] <= rl.heads:
@@ -111,12 +113,12 @@ class TcpHeadsPull(TcpPull):
         sums: list[int] | None = None if checksums is None else []
         for i, layer in enumerate(read.layers):
             ctx.store.read_into(read.transfer_id, layer, read.first_block, rows)
-            if checksums is not None:
-                verify_checksums(checksums[i * n:(i + 1) * n], [memoryview(r) for r in rows], read.transfer_id,
-                                 first=i * n, of=len(checksums))
-            packed.append(pack_heads(rows, rl, heads))
+            staged = None if checksums is None else checksums[i * n:(i + 1) * n]
+            out, out_sums = pack_checked_heads(rows, rl, heads, staged, read.transfer_id, first=i * n,
+                                               of=None if checksums is None else len(checksums))
+            packed.append(out)
             if sums is not None:
-                sums.extend(block_checksum(memoryview(r)) for r in packed[-1])
+                sums.extend(out_sums)
         # the whole read is packed before the reply: its checksums lead the bytes
         self._send(ctx, sock, read, ttl, sums, outgoing, ([memoryview(p.reshape(-1))] for p in packed),
                    slot=packed[0].shape[1])
