@@ -57,13 +57,7 @@ class PushReceiver:
         try:
             self._handle_push(sock, msg, conn, fault)
         except Exception as exc:  # a bug: fail this transfer, answer, never kill the connection thread
-            logger.exception("landing push of %r from %s failed unexpectedly", msg.transfer_id[:64], conn.peer)
-            err = TransferError(FailureCause.PROTOCOL, f"internal error landing this push: {type(exc).__name__}")
-            try:
-                self.entries.fail_if_mine(msg.transfer_id, err, conn)
-            except Exception:  # noqa: BLE001 - the answer below matters more
-                pass
-            self._refuse(sock, err, conn)
+            self._internal_error(sock, msg.transfer_id, conn, exc, "landing")
             if trailing_bytes(msg):
                 hang_up(sock)  # where its bytes stand is unknown: the stream may be out of step
 
@@ -145,13 +139,18 @@ class PushReceiver:
         try:
             self._handle_end(sock, msg, conn)
         except Exception as exc:  # a bug: fail this transfer, answer, never kill the connection thread
-            logger.exception("ending push of %r from %s failed unexpectedly", msg.transfer_id[:64], conn.peer)
-            err = TransferError(FailureCause.PROTOCOL, f"internal error ending this push: {type(exc).__name__}")
-            try:
-                self.entries.fail_if_mine(msg.transfer_id, err, conn)
-            except Exception:  # noqa: BLE001 - the answer below matters more
-                pass
-            self._refuse(sock, err, conn)
+            self._internal_error(sock, msg.transfer_id, conn, exc, "ending")
+
+    def _internal_error(self, sock: socket.socket, tid: str, conn: ConnectionState, exc: Exception,
+                        doing: str) -> None:
+        """A bug while `doing` ("landing", "ending") this push: fail the transfer if it is ours, and answer."""
+        logger.exception("%s push of %r from %s failed unexpectedly", doing, tid[:64], conn.peer)
+        err = TransferError(FailureCause.PROTOCOL, f"internal error {doing} this push: {type(exc).__name__}")
+        try:
+            self.entries.fail_if_mine(tid, err, conn)
+        except Exception:  # noqa: BLE001 - the answer below matters more
+            pass
+        self._refuse(sock, err, conn)
 
     def _handle_end(self, sock: socket.socket, msg: wire.PushEnd, conn: ConnectionState) -> None:
         tid = msg.transfer_id
