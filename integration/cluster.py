@@ -14,8 +14,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from kvconnectors.integration import launcher
 from kvconnectors.integration import proxy as proxy_mod
 from kvconnectors.serving import VllmServer, free_port, stop_all
-from kvconnectors.store.arena import reap_stale_arenas
+from kvconnectors.store.arena import ARENA_NAME, SHM_DIR, reap_stale_arenas
 
 if TYPE_CHECKING:
     from kvconnectors.testing.hosts import Hosts
@@ -107,6 +109,7 @@ class PDCluster:
         return self._on("proxy", "proxy")
 
     def start(self) -> "PDCluster":
+        self._arenas_before = _arena_names()
         try:
             for s, p in zip(self.servers, self.plans):
                 with self._on(p.name, p.role):
@@ -133,7 +136,25 @@ class PDCluster:
             self._proxy.stop()
             self._proxy = None
         stop_all(self.servers)
-        reap_stale_arenas()  # shm arenas of workers that were killed (tests kill ranks on purpose)
+        self._reap_arenas()
+
+    def _reap_arenas(self, timeout_s: float = 30.0) -> None:
+        """Remove the shm arenas of this cluster's workers that could not (tests kill ranks on
+        purpose). A worker orphaned by its killed rank may still be exiting when the servers are
+        stopped (seen: twice in full runs on a loaded 2-core host, P2->D1 over shm), and an arena is
+        reaped only once its process is gone: wait for that, a bounded while, for the arenas made
+        since this cluster started."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reap_stale_arenas(SHM_DIR)
+            left = _arena_names() - getattr(self, "_arenas_before", set())
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                log.warning("shm arenas still held %.0f s after the cluster stopped (their processes live "
+                               "on): %s", timeout_s, sorted(left))
+                return
+            time.sleep(0.25)
 
     def __enter__(self) -> "PDCluster":
         return self.start()
@@ -227,3 +248,11 @@ class ProxyProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.proc = None
+
+
+def _arena_names() -> set[str]:
+    """The shm arenas of TieredConnector stores on this host (their files in /dev/shm)."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if ARENA_NAME.match(n)}
+    except OSError:
+        return set()
