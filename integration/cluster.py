@@ -218,7 +218,6 @@ class ProxyProcess:
     def start(self, timeout: float = 60.0) -> "ProxyProcess":
         import subprocess
         import sys
-        import time
         import urllib.request
 
         with open(self.log_path, "wb") as log_file:
