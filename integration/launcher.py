@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import kvconnectors
 from kvconnectors.cli_types import PortInUseError, check_port_free, port_or_zero, positive_int
-from kvconnectors.serving import (CPU_DEFAULT_ARGS, CUDA_DEFAULT_ARGS, ServerStartError, VllmServer, free_port,
-                                  free_port_block, stop_all)
+from kvconnectors.serving import (CPU_DEFAULT_ARGS, CPU_KV_CACHE_BYTES, CUDA_DEFAULT_ARGS, ServerStartError,
+                                  VllmServer, free_port, free_port_block, stop_all)
 from kvconnectors.transport.exposure import check_exposure, is_loopback, is_wildcard
 
 if TYPE_CHECKING:
@@ -370,6 +370,8 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
     if placement.device == "cpu":
         cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
     extra = deep_merge(args.kv_transfer_config_extra or {}, _tiered_security(args))
+    if placement.device == "cpu" and args.connector == "TieredConnector":
+        extra = deep_merge(CPU_STORE_DEFAULTS, extra)  # what the user sets wins
     plans: list[InstancePlan] = []
     next_core = 0
     for i, ((role, kv_role), name) in enumerate(zip(roles, names)):
@@ -518,6 +520,11 @@ def check_host_exposure(args: argparse.Namespace) -> None:
                    risk="send requests to the servers, and read and release staged KV")
 
 
+# A CPU host's store is the size of the KV cache it serves (CPU_DEFAULT_ARGS), not the connector's
+# 1 GiB default: faulting in an arena is most of a store's start-up, paid by every instance.
+CPU_STORE_DEFAULTS: dict[str, Any] = {"kv_connector_extra_config": {"dram_bytes": CPU_KV_CACHE_BYTES}}
+
+
 def _tiered_security(args: argparse.Namespace) -> dict[str, Any]:
     """What --host, --secret-file and --allow-insecure put in every TieredConnector instance's
     kv_connector_extra_config: with --host other than loopback the store binds it too (and
@@ -628,6 +635,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                         help="where the servers run. cpu: vLLM's CPU backend, one core per instance, with "
                              "the CPU defaults (" + " ".join(CPU_DEFAULT_ARGS) + ", VLLM_CPU_OMP_THREADS_BIND, "
+                             f"a TieredConnector DRAM tier of {CPU_KV_CACHE_BYTES >> 20} MiB (dram_bytes), "
                              "UCX on loopback). cuda: GPUs per instance through CUDA_VISIBLE_DEVICES (see "
                              "--gpus), vLLM's own defaults but " + " ".join(CUDA_DEFAULT_ARGS) + ", no pinning, "
                              "NixlConnector with kv_buffer_device cuda. auto: cuda when --gpus is given or the "

@@ -43,12 +43,13 @@ COMMON_DEFAULT_ARGS: tuple[str, ...] = (
 # Safe on a small CPU host: fp32 (bf16 was only checked on AMX), no graph capture, a block size the
 # CPU attention kernel accepts (multiple of 32), an explicit KV budget (the default
 # gpu_memory_utilization reserves 92% of host RAM). None of these belongs on a GPU.
+CPU_KV_CACHE_BYTES = 256 * 2**20
 CPU_DEFAULT_ARGS: tuple[str, ...] = (
     "--dtype", "float32",
     "--enforce-eager",
     "--max-model-len", "2048",
     "--block-size", "32",
-    "--kv-cache-memory-bytes", "268435456",
+    "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES),
     *COMMON_DEFAULT_ARGS,
 )
 # On CUDA vLLM's own defaults (model dtype, CUDA graphs, the model's context length, KV cache sized by

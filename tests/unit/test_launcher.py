@@ -21,7 +21,7 @@ import pytest
 from kvconnectors.integration import launcher as L
 
 from launcher_kit import counter, parse  # noqa: E402
-from kvconnectors.serving import free_port
+from kvconnectors.serving import CPU_DEFAULT_ARGS, CPU_KV_CACHE_BYTES, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "integration" / "configs"
@@ -42,7 +42,8 @@ def test_tiered_plan_roles_ports_and_cores():
     cfg = plans[0].kv_transfer_config
     assert cfg == {"kv_connector": "TieredConnector", "kv_connector_module_path": "kvconnectors.tiered",
                    "kv_role": "kv_producer",
-                   "kv_connector_extra_config": {"transport": "shm", "store_port": cfg["kv_connector_extra_config"]["store_port"]}}
+                   "kv_connector_extra_config": {"transport": "shm", "store_port": cfg["kv_connector_extra_config"]["store_port"],
+                                                 "dram_bytes": CPU_KV_CACHE_BYTES}}
     ports = [p.port for p in plans] + [p.kv_transfer_config["kv_connector_extra_config"]["store_port"] for p in plans]
     assert len(set(ports)) == len(ports), "every HTTP and store port is unique"
     for p in plans:
@@ -55,9 +56,21 @@ def test_tiered_default_transport_is_tcp_and_extra_is_deep_merged():
     args = parse("--kv-transfer-config-extra", json.dumps(extra))
     p, d = L.plan_instances(args, cores=[0], port_fn=counter())
     assert p.kv_transfer_config["kv_load_failure_policy"] == "recompute"
-    assert p.kv_transfer_config["kv_connector_extra_config"] == {"transport": "tcp", "store_port": 7777, "lease_ttl_s": 5}
+    assert p.kv_transfer_config["kv_connector_extra_config"] == {"transport": "tcp", "store_port": 7777, "lease_ttl_s": 5,
+                                                                 "dram_bytes": CPU_KV_CACHE_BYTES}
     assert d.kv_addr == "127.0.0.1:7777"  # the address follows an overridden store_port
     assert p.core == d.core == 0
+
+
+def test_cpu_store_is_the_size_of_the_kv_cache_unless_set():
+    """On CPU the DRAM tier defaults to the CPU KV budget (faulting in the connector's 1 GiB default was
+    most of each instance's store start-up); a dram_bytes the user sets wins."""
+    for p in L.plan_instances(parse("--mode", "push"), cores=[0], port_fn=counter()):  # both have a store
+        assert p.kv_transfer_config["kv_connector_extra_config"]["dram_bytes"] == CPU_KV_CACHE_BYTES
+    assert f"--kv-cache-memory-bytes {CPU_KV_CACHE_BYTES}" in " ".join(CPU_DEFAULT_ARGS)
+    own = parse("--kv-transfer-config-extra", '{"kv_connector_extra_config": {"dram_bytes": "2g"}}')
+    for p in L.plan_instances(own, cores=[0], port_fn=counter()):
+        assert p.kv_transfer_config["kv_connector_extra_config"]["dram_bytes"] == "2g"
 
 
 def test_nixl_plan_has_cpu_buffer_and_unique_side_channel_ports():

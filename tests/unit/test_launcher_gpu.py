@@ -113,9 +113,14 @@ def test_nixl_on_cuda_registers_gpu_memory(cuda_host):
 
 
 def test_tiered_config_is_the_same_on_cuda(cuda_host, monkeypatch):
+    """The same but for the CPU host's smaller DRAM tier (the connector's own default on CUDA)."""
     on_cuda = [p.kv_transfer_config for p in L.plan_instances(parse("--mode", "push"), port_fn=counter())]
+    assert not any("dram_bytes" in c["kv_connector_extra_config"] for c in on_cuda)
     monkeypatch.setattr(L, "cuda_device_count", lambda: 0)
-    assert on_cuda == [p.kv_transfer_config for p in L.plan_instances(parse("--mode", "push"), port_fn=counter())]
+    on_cpu = [p.kv_transfer_config for p in L.plan_instances(parse("--mode", "push"), port_fn=counter())]
+    for c in on_cpu:
+        assert c["kv_connector_extra_config"].pop("dram_bytes") == L.CPU_KV_CACHE_BYTES
+    assert on_cuda == on_cpu
 
 
 # --------------------------------------------------------------------------------------------
