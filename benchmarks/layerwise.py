@@ -4,25 +4,22 @@ per group of layers, sent while the later layers compute), side by side in one r
 links (NVLink, 200 Gb InfiniBand, 100 GbE, 25 GbE), plus a short-prompt section on plain loopback
 that shows where layer-wise stops costing more than bulk (the `layerwise_min_tokens` threshold).
 
-What runs is the connector's real push path, in one process, with no vLLM: the producer's and the
-consumer's KV caches are torch tensors in vLLM's LBHNC layout (one allocation, a [blocks, 1, 1, slot]
-view per layer, described by kvconnectors.mover.describe_kv_caches), and the bytes move through the
-connector's own data mover (kvconnectors.mover, CpuOps: a copy thread as the copy stream). After
-every layer's compute the "forward" hands the layer to a single staging thread (the worker's
-save_kv_layer -> the staging book's kvc-stage executor, tiered/staging.py), which has the mover's Stager copy the layer's blocks
-straight into the producer TieredStore's slots (Stager.stage: begin_write + the gather on the copy
-stream) and waits for that copy, checksums the rows (xxh3) and commits them (Stager.complete). A
-PushSender streams PushJobs over TCP loopback to a consumer StoreServer whose Landing lands,
-verifies and seals them; the consumer copies the sealed blocks into its own KV cache blocks (as
-tiered/landed.py's LandedReader.load does: read_into a host buffer, then Loader.load into the blocks, waited
-for). Layer-wise: every --group layers the staging thread submits a PushJob of those layers; at the
-last layer it seals the producer's copy and submits the rest in a last Push that also seals the
-landing copy (tiered/staging.py's _seal_transfer, called from the stager). Bulk: that one sealing Push, of
-all layers.
+What runs is the connector's own push-mode parts, assembled as the worker assembles them
+(tiered/worker.py), in one process, with no vLLM: the producer's and the consumer's KV caches are
+torch tensors in vLLM's LBHNC layout (one allocation, a [blocks, 1, 1, slot] view per layer), the
+bytes move through the connector's data mover (kvconnectors.mover, CpuOps: a copy thread as the copy
+stream). After every layer's compute the "forward" calls the producer's StagingBook.save_layer (what
+the worker's save_kv_layer calls): its staging thread has the Stager copy the layer's blocks into
+the producer TieredStore and checksum them, and its PushBook sends each full group of --group layers
+(layer-wise) through its PushSender over TCP loopback to the consumer's StoreServer, whose Landing
+lands, verifies and seals them; at the last layer the staging thread seals the producer's entry and
+sends the last group with the seal (bulk: the request's layerwise flag is off, so every layer goes in
+that one message). The forward then calls wait_for_save. The consumer's LandedReader.load (what the
+worker's Puller calls in push mode) copies the sealed entry into its own KV cache blocks.
 
   prefill alone   the forward pass only: layers x per-layer compute
-  bulk TTFT       prefill start -> consumer's Landing.wait returns (sealed) -> copied into its KV
-                  cache blocks; one message after the last layer
+  bulk TTFT       prefill start -> the landed entry sealed on the consumer -> copied into its KV
+                  cache blocks by LandedReader.load; one message after the last layer
   layer-wise      the same, one message per layer group while later layers compute
 
 Calibration (from kvconnectors.planner, the same presets the planner uses). Per-layer compute =
@@ -36,7 +33,8 @@ Scaling ("scaled down proportionally"). This host cannot emulate NVLink at 450 G
 time runs S times slower and bytes are D times fewer: one emulated layer sleeps S x its real compute,
 each (layer, block) slot carries slot/D bytes (the same number of blocks, layers and messages), and
 each link runs at real rate / (S x D) through PushSender's link_bytes_per_s pacing (a group's bytes
-arrive when the emulated link would have carried them; jobs queue behind each other). Every
+arrive when the emulated link would have carried them; jobs queue behind each other; one
+StagingBook per link, made with that rate). Every
 compute and transfer time is then exactly S x its real value, so times are reported in emulated
 seconds and converted back to real ms (/ S). S (--time-scale) defaults to the value that makes one
 emulated layer ~25 ms; D (--byte-scale) defaults to the smallest power of two that keeps the fastest
@@ -94,9 +92,7 @@ import contextlib
 import math
 import secrets
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -109,8 +105,11 @@ setup_env()  # harmless here (no NIXL on this path), but keeps UCX sane if a sto
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import msgspec  # noqa: E402
+
 from kvconnectors import planner  # noqa: E402
 from kvconnectors.benchmarks.models import PRESETS, KVBlocks  # noqa: E402
+from kvconnectors.tiered.config import TieredConfig  # noqa: E402
 
 FP = "kvc-bench-layerwise"
 TIMEOUT_S = 120.0
@@ -204,22 +203,10 @@ def parse_tokens(text: str | Sequence[int]) -> list[int]:
     return sorted(set(vals))
 
 
-def default_min_tokens() -> int | None:
-    """TieredConfig's layerwise_min_tokens default, read from its source: importing kvconnectors.tiered
-    imports vLLM (seconds), which this benchmark does not need."""
-    import ast
-
-    try:
-        import kvconnectors  # cheap, unlike kvconnectors.tiered; its folder holds tiered/ installed or not
-
-        src = (Path(kvconnectors.__file__).resolve().parent / "tiered" / "config.py").read_text()
-        for node in ast.walk(ast.parse(src)):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and node.target.id == "layerwise_min_tokens" and isinstance(node.value, ast.Constant)):
-                return int(node.value.value)
-    except (OSError, SyntaxError, ValueError, TypeError):  # informational only
-        pass
-    return None
+def default_min_tokens() -> int:
+    """TieredConfig's declared layerwise_min_tokens default: the threshold the short-prompt section
+    measures (kvconnectors.tiered.config imports neither torch nor vLLM)."""
+    return next(f.default for f in msgspec.structs.fields(TieredConfig) if f.name == "layerwise_min_tokens")
 
 
 # ============================================================================== the push path under test
@@ -233,20 +220,16 @@ def kv_caches(kv: np.ndarray) -> dict[str, torch.Tensor]:
 
 
 class Payload:
-    """The producer's and the consumer's KV cache: [layers, cache_blocks, slot] arrays (`src`, `dst`)
-    and, over the same memory, the caches the mover sees (`src_geometry`, `dst_geometry`), and the
-    (random, non-contiguous) block ids a request's blocks sit at on each side."""
+    """The producer's and the consumer's KV cache as [layers, cache_blocks, slot] arrays (`src`, `dst`;
+    kv_caches() gives vLLM's view of them), and the (random, non-contiguous) block ids a request's
+    blocks sit at on each side."""
 
     def __init__(self, layers: int, blocks: int, slot: int, seed: int):
-        from kvconnectors.mover import describe_kv_caches
-
         rng = np.random.default_rng(seed)
         n = layers * blocks * slot
         words = rng.integers(0, 2**63, (n + 7) // 8, dtype=np.uint64)  # 8 random bytes at a time: fast
         self.src = words.view(np.uint8)[:n].reshape(layers, blocks, slot)
         self.dst = np.zeros_like(self.src)
-        self.src_geometry = describe_kv_caches(kv_caches(self.src), block_size=1, layout="LBHNC")
-        self.dst_geometry = describe_kv_caches(kv_caches(self.dst), block_size=1, layout="LBHNC")
         self.src_ids = rng.permutation(blocks)
         self.dst_ids = rng.permutation(blocks)
         self.stamp = 0
@@ -270,78 +253,95 @@ class Payload:
 
 
 class Rig:
-    """Producer store + staging thread + the mover's Stager + push senders (one per emulated link) ->
-    consumer landing store served by a StoreServer with a Landing, and the consumer's Loader:
-    tests/unit/test_push.py's Pair, as the connector wires it. `bind` attaches the Stager and the Loader
-    to a Payload's caches. Everything is closed by close(), also after a failure half-way through __init__."""
+    """The connector's push-mode parts, as the worker assembles them (tiered/worker.py), over a
+    Payload's caches: producer TieredStore + Stager + StoreServer + one StagingBook per emulated link
+    (its staging thread, seal and PushBook; the link's pacing rate is fixed per book) -> consumer
+    landing TieredStore served by a StoreServer with a Landing, and the consumer's LandedReader with
+    its Loader. Everything is closed by close(), also after a failure half-way through __init__."""
 
-    def __init__(self, layers: int, slot: int, entry_slots: int, entries: float, tag: str):
-        from kvconnectors.mover import CpuOps
+    def __init__(self, kv: Payload, group: int, entries: float, tag: str):
+        from kvconnectors.mover import CpuOps, Loader, Stager
+        from kvconnectors.mover.geometry import UnsupportedKVCache
+        from kvconnectors.mover.reslice import geometry_row_layout
         from kvconnectors.store import StoreConfig, TieredStore
-        from kvconnectors.transport import wire
+        from kvconnectors.tiered.landed import LandedReader  # (imports vLLM: seconds, so not at the top)
+        from kvconnectors.tiered.layout import detect_layout
+        from kvconnectors.tiered.links import PeerLinks
+        from kvconnectors.tiered.pull_paths import PullPaths
+        from kvconnectors.tiered.resliced import ReslicedReads
+        from kvconnectors.tiered.results import LoadResults
+        from kvconnectors.tiered.staging import StagingFailures
         from kvconnectors.transport.landing import Landing
+        from kvconnectors.transport.paths import TCP_PUSH
         from kvconnectors.transport.server import StoreServer
 
-        self.layers, self.slot = layers, slot
-        self.compat = wire.compat_hash("bench-layerwise")
-        self.errors: dict[str, Any] = {}
-        self.senders: dict[str, Any] = {}
-        self.stager: Any = None   # the mover's Stager and Loader, once bound to a Payload
-        self.loader: Any = None
+        self.layers, self.blocks, self.slot = kv.src.shape
+        self.group = group
+        # as the connector runs push mode: `group` layers per message, checksums on
+        self.config = TieredConfig(transfer_mode="push", layer_group_size=group, checksum=True,
+                                   load_timeout_s=TIMEOUT_S, connect_timeout_s=10, lease_ttl_s=600)
+        self.results = LoadResults()  # every part records its counters here, as in the worker
+        self.books: dict[str, Any] = {}
         self._stack = contextlib.ExitStack()
         try:
-            dram = max(math.ceil(entries * entry_slots), 4) * slot  # runs go one at a time
-            self.src = TieredStore(StoreConfig(slot_bytes=slot, dram_bytes=dram, lease_ttl_s=600,
-                                               instance_name=f"benchlw{tag}src"))
-            self._stack.callback(self.src.close)
-            self.dst = TieredStore(StoreConfig(slot_bytes=slot, dram_bytes=dram, lease_ttl_s=600,
-                                               instance_name=f"benchlw{tag}dst"))
-            self._stack.callback(self.dst.close)
-            self.landing = Landing(self.dst, fingerprint=FP, num_layers=layers)
-            self._stack.callback(self.landing.close)
-            self.server = StoreServer(self.dst, "127.0.0.1", 0, fingerprint=FP, num_layers=layers,
-                                      compat=self.compat, landing=self.landing)
-            self._stack.callback(self.server.close)
-            self.target = ("127.0.0.1", self.server.port)
+            layout, src_geometry = detect_layout(kv_caches(kv.src), block_size=1, cache_layout="LBHNC")
+            dst_layout, dst_geometry = detect_layout(kv_caches(kv.dst), block_size=1, cache_layout="LBHNC")
+            self.layout, self.dst_layout = layout, dst_layout
+            try:
+                self.row_layout: Any = geometry_row_layout(src_geometry)
+            except UnsupportedKVCache as exc:  # (same TP size on both sides: not needed)
+                self.row_layout = exc
+            dram = max(math.ceil(entries * self.layers * self.blocks), 4) * self.slot  # runs go one at a time
             # each side's copy stream (on a CPU engine: a copy thread); two processes in a real deployment
-            self.src_ops = CpuOps("bench-copy-src")
-            self._stack.callback(self.src_ops.close)
-            self.dst_ops = CpuOps("bench-copy-dst")
-            self._stack.callback(self.dst_ops.close)
-            # the staging book's kvc-stage executor (tiered/staging.py): save_kv_layer hands each layer to it
-            self.staging = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-stage")
-            self._stack.callback(self.staging.shutdown, wait=True)
+            self.src_ops = self._closing(CpuOps("bench-copy-src"))
+            self.dst_ops = self._closing(CpuOps("bench-copy-dst"))
+            # ---- producer: its store, Stager and store server (grants, staging failures)
+            self.src = self._closing(TieredStore(StoreConfig(slot_bytes=self.slot, dram_bytes=dram, lease_ttl_s=600,
+                                                             instance_name=f"benchlw{tag}src")))
+            self.stager = Stager(src_geometry, self.src, self.src_ops, checksum=True)
+            self.failures = StagingFailures()
+            self.src_server = self._closing(StoreServer(
+                self.src, "127.0.0.1", 0, fingerprint=layout.fingerprint, rows_fingerprint=layout.rows_fingerprint,
+                num_layers=self.layers, compat=self.config.compat, staging_failure=self.failures.get,
+                require_grants=True, tp_size=1))
+            self.links = self._closing(PeerLinks(self.config, f"bench-lw{tag}-p", None))
+            # ---- consumer: its landing store, Landing, store server and LandedReader
+            self.dst = self._closing(TieredStore(StoreConfig(slot_bytes=self.slot, dram_bytes=dram, lease_ttl_s=600,
+                                                             instance_name=f"benchlw{tag}dst")))
+            self.landing = self._closing(Landing(self.dst, fingerprint=dst_layout.rows_fingerprint,
+                                                 num_layers=self.layers, paths=[TCP_PUSH]))
+            self.server = self._closing(StoreServer(
+                self.dst, "127.0.0.1", 0, fingerprint=dst_layout.fingerprint,
+                rows_fingerprint=dst_layout.rows_fingerprint, num_layers=self.layers, compat=self.config.compat,
+                landing=self.landing, tp_size=1))
+            self.target = f"127.0.0.1:{self.server.port}"
+            self.loader = Loader(dst_geometry, self.dst_ops)
+            dst_links = self._closing(PeerLinks(self.config, f"bench-lw{tag}-c", None))
+            paths = self._closing(PullPaths("tcp", f"bench-lw{tag}-c", 0, dst_geometry, self.loader,
+                                            self.results.record, True))
+            resliced = self._closing(ReslicedReads(dst_layout, self.config, dst_links, paths, self.loader,
+                                                   self.results.record))
+            self.reader = LandedReader(self.dst, self.landing.entries, dst_layout, self.config, self.loader,
+                                       resliced, self.results.record)
         except BaseException:
             self._stack.close()
             raise
 
-    def bind(self, kv: Payload) -> None:
-        """The producer's Stager over kv's source cache and this rig's producer store, the consumer's
-        Loader over kv's destination cache (as the worker builds them in register_kv_caches)."""
-        from kvconnectors.mover import Loader, Stager
+    def _closing(self, part: Any) -> Any:
+        self._stack.callback(part.close)  # LIFO: what was made last closes first
+        return part
 
-        self.stager = Stager(kv.src_geometry, self.src, self.src_ops, checksum=True)
-        self.loader = Loader(kv.dst_geometry, self.dst_ops)
+    def book(self, name: str, link_bytes_per_s: float | None) -> Any:
+        """The producer's StagingBook for one (emulated) link, made once; closed with the rig."""
+        if name not in self.books:
+            from kvconnectors.tiered.staging import StagingBook
+            from kvconnectors.transport.paths import TCP_PUSH
 
-    def sender(self, name: str, link_bytes_per_s: float | None):
-        """A PushSender for one (emulated) link, created once; closed with the rig."""
-        if name not in self.senders:
-            from kvconnectors.transport.client import StoreClient
-            from kvconnectors.transport.push import PushSender
-
-            s = PushSender(self.src, fingerprint=FP, num_layers=self.layers, timeout_s=TIMEOUT_S,
-                           client_factory=lambda h, p: StoreClient(h, p, compat=self.compat, connect_timeout_s=5),
-                           on_done=self._on_done, link_bytes_per_s=link_bytes_per_s)
-            self._stack.callback(s.close)  # LIFO: senders close before the server and stores
-            self.senders[name] = s
-        return self.senders[name]
-
-    def _on_done(self, tid: str, target: Any, err: Any) -> None:
-        """Push sender thread: as tiered/pushes.py's PushBook._done, the producer lets go once the push landed."""
-        self.errors[tid] = err
-        if err is None:
-            with contextlib.suppress(Exception):
-                self.src.release(tid)
+            self.books[name] = self._closing(StagingBook(
+                self.src, self.stager, self.src_ops, self.layout, self.config, self.src_server, self.failures,
+                self.results.record, self.links, push_path=TCP_PUSH, row_layout=self.row_layout,
+                link_bytes_per_s=link_bytes_per_s))
+        return self.books[name]
 
     def close(self) -> None:
         self._stack.close()
@@ -360,110 +360,63 @@ def _sleep_until(t: float) -> None:
         time.sleep(left)
 
 
-def push_prompt(rig: Rig, sender: Any, kv: Payload, blocks: int, layer_s: float, group: int | None,
+def push_prompt(rig: Rig, book: Any, kv: Payload, blocks: int, layer_s: float, group: int | None,
                 check: bool = False) -> dict[str, Any]:
-    """One prompt through the push path: per layer compute (sleep), then the staging thread has the
-    Stager copy the layer's blocks into the producer store and checksum them; layer-wise (group set)
-    submits a PushJob every `group` layers from the staging thread, bulk (group None) one PushJob of
-    all layers after the last; then the last Push seals the landing copy; the consumer waits for the
-    seal and has the Loader copy the blocks into its KV cache. Returns timestamps relative to prefill
-    start (seconds)."""
-    from kvconnectors.transport.push import PushJob
+    """One prompt through the connector's push path. Producer: per layer, compute (a sleep), then
+    save_kv_layer's hand-off (StagingBook.save_layer: the staging thread has the Stager copy the
+    layer's blocks into the store and checksums them; layer-wise, with `group` set, its PushBook sends
+    every full group of layers; at the last layer it seals and sends the last group, sealing the
+    landing copy); then wait_for_save. Bulk (`group` None): the same with the request's layerwise
+    flag off, so every layer goes in that one last message. Consumer: the LandedReader waits for the
+    seal and copies the blocks into its KV cache. Returns timestamps relative to prefill start (s)."""
+    from kvconnectors.tiered import params as kvparams
+    from kvconnectors.tiered.load import Load
+    from kvconnectors.tiered.metadata import RecvSpec, SaveSpec, TieredConnectorMetadata
 
+    assert group is None or group == rig.group, f"this rig pushes {rig.group} layers per group"
     layers = rig.layers
-    assert rig.stager is not None and rig.loader is not None, "Rig.bind(kv) first"
-    tid = f"lw-{secrets.token_hex(6)}"
+    tid, token = f"lw-{secrets.token_hex(6)}", secrets.token_hex(8)
     if check:
         kv.prepare_check(blocks)
-    sids, dids = kv.src_ids[:blocks], kv.dst_ids[:blocks]
-    sums = np.zeros((layers, blocks), np.uint64)
-    pending: list[int] = []
-    submits: list[float] = []
-    lock = threading.Lock()
+    sids, dids = kv.src_ids[:blocks].tolist(), kv.dst_ids[:blocks].tolist()
+    meta = TieredConnectorMetadata(saves=[SaveSpec("bench", tid, sids, 0, blocks, True, push_target=rig.target,
+                                                   layerwise=group is not None, token=token)])
+    ticket = kvparams.TransferParams(
+        v=kvparams.PARAMS_VERSION, transfer_id=tid, addrs=[kvparams.PeerAddress("127.0.0.1", rig.src_server.port)],
+        num_tokens=blocks, num_blocks=blocks, block_size=1, fingerprint=rig.layout.fingerprint, prompt_hash="bench",
+        lease_ttl_s=600, issued_at=0, token=token, tp_size=1, kv_heads=rig.layout.kv_heads, push_target=rig.target)
+    load = Load(RecvSpec("bench", None, dids, 0), ticket, dids, None)
+    sender = book.pushes.sender
     pushes0, bytes0 = sender.pushes, sender.bytes_pushed
-
-    def push_pending(end: bool = False) -> None:
-        with lock:
-            group_layers = pending[:]
-            pending.clear()
-        if not group_layers:
-            if end:
-                sender.submit(PushJob(tid, rig.target, end=True))
-            return
-        checksums = np.concatenate([sums[layer] for layer in group_layers]).tolist()
-        sender.submit(PushJob(tid, rig.target, group_layers, 0, blocks, checksums, end=end))
-        submits.append(time.perf_counter() - t0)
-
-    def stage(layer: int, forward: Any) -> None:  # the staging thread: tiered/staging.py's _stage_spec
-        nonlocal ended
-        if layer == 0:
-            rig.src.create(tid, layers, blocks)
-        # the mover: reserve the layer's slots, gather its blocks into them on the copy stream
-        # (after the layer's forward), wait for that copy, checksum the rows and commit them
-        copy = rig.stager.stage(tid, [layer], 0, sids, after=forward)
-        sums[layer] = rig.stager.complete(copy, TIMEOUT_S)[0]
-        with lock:
-            pending.append(layer)
-            full = group is not None and len(pending) >= group
-        if layer == layers - 1:  # tiered/staging.py's _seal_transfer, from the stager at the last layer
-            rig.src.seal(tid, {"xxh3": sums.reshape(-1).tolist()})
-            push_pending(end=True)  # the last group (bulk: every layer), sealing the landing copy
-            ended = True
-            stamps["sealed"] = time.perf_counter() - t0
-        elif full:
-            push_pending()
-
+    loaded = False
     t0 = time.perf_counter()
-    futures = []
-    ended = False
-    stamps: dict[str, float] = {}
     try:
         t_compute = 0.0
         for layer in range(layers):
             if layer_s > 0:
                 _sleep_until(t0 + (layer + 1) * layer_s)
             t_compute = time.perf_counter() - t0  # the layer's compute ended; its staging starts
-            # save_kv_layer: the point on the forward stream the copy follows, and the hand-off
-            futures.append(rig.staging.submit(stage, layer, rig.src_ops.forward_event()))
-        for f in futures:  # wait_for_save: every staged byte is in the producer store
-            f.result()
+            book.save_layer(meta, layer)
+        book.wait_for_save(meta)  # every staged byte is in the producer store, the entry sealed
+        t_sealed = time.perf_counter() - t0
         now = time.monotonic()
         rig.landing.entries.wait(tid, now + TIMEOUT_S, now + TIMEOUT_S)
         t_landed = time.perf_counter() - t0
-        # tiered/landed.py's LandedReader.load: the layers out of the landing store with read_into (here one call
-        # for every layer; the worker splits calls at LANDED_READ_BYTES) into a host buffer of the
-        # copy stream's kind, then the Loader's copy into the KV cache blocks, waited for. A fresh
-        # buffer per prompt, not Loader.landing_buffer: its pool picks a buffer with list.remove,
-        # which compares arrays (ValueError once two pooled buffers differ in size, as here).
-        buf = rig.dst_ops.host_buffer(layers * blocks * rig.slot).reshape(layers * blocks, rig.slot)
-        rig.dst.read_into(tid, list(range(layers)), 0, buf)
-        rig.loader.load(buf, range(layers), dids).wait(TIMEOUT_S)
+        rig.reader.load(load, time.monotonic() + TIMEOUT_S)  # read_into a host buffer, Loader into the blocks
         t_end = time.perf_counter() - t0
+        loaded = True
     finally:
-        for f in futures:
-            f.cancel()
-        if not ended:  # as the connector's _fail_staging: tell the landing side now
-            from kvconnectors.errors import FailureCause, TransferError
-
-            for f in futures:  # let a running stage finish before the abort is queued
-                with contextlib.suppress(Exception):
-                    f.exception()
-            sender.submit(PushJob(tid, rig.target, abort=TransferError(FailureCause.PROTOCOL, "benchmark run failed")))
-        rig.landing.entries.forget(tid)
-        with contextlib.suppress(Exception):
-            rig.dst.release(tid)
+        if not loaded:  # as an aborted request: the producer's staging and pushes end, the landed copy goes
+            book.drop(tid)
+            rig.reader.free([tid])
         if not sender.flush(TIMEOUT_S):
             raise TimeoutError(f"push of {tid} did not finish within {TIMEOUT_S:.0f} s")
-        err = rig.errors.pop(tid, None)
-        with contextlib.suppress(Exception):
-            rig.src.release(tid)  # normally released by the on_done callback already
-    if err is not None:
-        raise RuntimeError(f"push of {tid} failed: {err}")
+    if tid in rig.failures:
+        raise RuntimeError(f"push of {tid} failed: {rig.failures.get(tid)}")
     if check:
         kv.check(blocks)
-    return {"ttft_s": t_end, "compute_s": t_compute, "sealed_s": stamps["sealed"], "landed_s": t_landed,
-            "copy_s": t_end - t_landed, "first_submit_s": submits[0] if submits else None,
-            "last_submit_s": submits[-1] if submits else None, "pushes": sender.pushes - pushes0,
+    return {"ttft_s": t_end, "compute_s": t_compute, "sealed_s": t_sealed, "landed_s": t_landed,
+            "copy_s": t_end - t_landed, "pushes": sender.pushes - pushes0,
             "bytes_pushed": sender.bytes_pushed - bytes0, "verified": check}
 
 
@@ -521,25 +474,24 @@ def run_layerwise(preset: str = "8b", tokens: int = 2000, block_tokens: int = 16
     errors: list[str] = []
     try:
         # ---------------------------------------------------- 1. loopback probe + short prompts (real slots)
-        rig = Rig(layers, cal.slot_bytes, layers * max(probe_blocks, short_blocks), 1.25, tag="r")
-        kv = None
+        kv = Payload(layers, max(probe_blocks, short_blocks), cal.slot_bytes, seed)
+        rig = Rig(kv, group, 1.25, tag="r")
         try:
-            sender = rig.sender("loopback", None)
-            kv = Payload(layers, max(probe_blocks, short_blocks), cal.slot_bytes, seed)
-            rig.bind(kv)
+            book = rig.book("loopback", None)
             bar.set_postfix_str("loopback probe")
             probe_runs = []
             for r in range(probe_reps + 1):  # the first one warms up (connection) and verifies
-                run = push_prompt(rig, sender, kv, probe_blocks, 0.0, None, check=r == 0)
+                run = push_prompt(rig, book, kv, probe_blocks, 0.0, None, check=r == 0)
                 if r:
                     probe_runs.append(run)
                 bar.update(1)
             probe_bytes = layers * probe_blocks * cal.slot_bytes
-            probe_s = [x["landed_s"] - x["last_submit_s"] for x in probe_runs]
+            probe_s = [x["landed_s"] - x["sealed_s"] for x in probe_runs]  # sealed: the push was submitted
             loopback_bps = probe_bytes / float(np.median(probe_s))
             result["loopback"] = {"bytes": probe_bytes, "times_s": probe_s, "bytes_per_s": loopback_bps,
-                                  "what": "one unpaced bulk push: submit of the PushJob -> sealed on the landing side"}
-            result["short_prompts"] = _short_section(rig, sender, kv, shorts, short_reps, short_us, cal, bar,
+                                  "what": ("one unpaced bulk push: wait_for_save returned (the last layer staged, "
+                                           "the entry sealed, its push submitted) -> sealed on the landing side")}
+            result["short_prompts"] = _short_section(rig, book, kv, shorts, short_reps, short_us, cal, bar,
                                                      crossover_tolerance)
         finally:
             del kv
@@ -565,24 +517,22 @@ def run_layerwise(preset: str = "8b", tokens: int = 2000, block_tokens: int = 16
                    "fastest_link_vs_loopback": fastest / (S * D) / loopback_bps, "notes": notes}
         result["scaling"] = scaling
         layer_s = cal.layer_compute_s * S
-        rig = Rig(layers, slot_e, layers * cal.blocks, 3, tag="e")
-        kv = None
+        kv = Payload(layers, cal.blocks, slot_e, seed + 1)
+        rig = Rig(kv, group, 3, tag="e")
         try:
-            kv = Payload(layers, cal.blocks, slot_e, seed + 1)
-            rig.bind(kv)
             runs: dict[str, dict[str, list]] = {lk.name: {"bulk": [], "layerwise": []} for lk in link_specs}
             status: dict[str, dict[str, Any]] = {lk.name: {"status": "ok", "reason": None, "verified": False}
                                                  for lk in link_specs}
             # The control: the same layer-wise pipeline with no link emulation (loopback, unpaced). What
             # it adds to the prefill is the connector's software tail, which no link speed removes.
             bar.set_postfix_str("instant link warm-up")
-            push_prompt(rig, rig.sender(INSTANT, None), kv, 1, 0.0, group)
+            push_prompt(rig, rig.book(INSTANT, None), kv, 1, 0.0, group)
             bar.update(1)
             instant: list[dict[str, Any]] = []
-            for link in link_specs:  # one sender per link (its pacing rate is fixed); connect untimed
+            for link in link_specs:  # one staging book per link (its pacing rate is fixed); connect untimed
                 bar.set_postfix_str(f"{link.name} warm-up")
                 try:
-                    push_prompt(rig, rig.sender(link.name, link.bytes_per_s / (S * D)), kv, 1, 0.0, group)
+                    push_prompt(rig, rig.book(link.name, link.bytes_per_s / (S * D)), kv, 1, 0.0, group)
                 except Exception as exc:
                     status[link.name].update(status="failed", reason=_describe(exc))
                     errors.append(f"{link.name}: {_describe(exc)}")
@@ -593,7 +543,7 @@ def run_layerwise(preset: str = "8b", tokens: int = 2000, block_tokens: int = 16
                 prefill_alone.append(compute_only(layers, layer_s))
                 bar.update(1)
                 bar.set_postfix_str("instant link layerwise")
-                instant.append({**push_prompt(rig, rig.senders[INSTANT], kv, cal.blocks, layer_s, group,
+                instant.append({**push_prompt(rig, rig.books[INSTANT], kv, cal.blocks, layer_s, group,
                                               check=r == 0), "rep": r})
                 bar.update(1)
                 k = r % max(1, len(link_specs))
@@ -603,7 +553,7 @@ def run_layerwise(preset: str = "8b", tokens: int = 2000, block_tokens: int = 16
                         bar.set_postfix_str(f"{link.name} {mode}")
                         if status[link.name]["status"] == "ok":
                             try:
-                                x = push_prompt(rig, rig.senders[link.name], kv, cal.blocks, layer_s,
+                                x = push_prompt(rig, rig.books[link.name], kv, cal.blocks, layer_s,
                                                 group if mode == "layerwise" else None, check=r == 0)
                                 runs[link.name][mode].append({**x, "rep": r})
                             except Exception as exc:
@@ -634,7 +584,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _short_section(rig: Rig, sender: Any, kv: Payload, shorts: list[int], reps: int, us_per_token: float,
+def _short_section(rig: Rig, book: Any, kv: Payload, shorts: list[int], reps: int, us_per_token: float,
                    cal: Calibration, bar: Any, tolerance: float) -> dict[str, Any]:
     layers = rig.layers
     rows = []
@@ -645,7 +595,7 @@ def _short_section(rig: Rig, sender: Any, kv: Payload, shorts: list[int], reps: 
         for r in range(reps):
             for mode in (("bulk", "layerwise") if r % 2 == 0 else ("layerwise", "bulk")):
                 bar.set_postfix_str(f"short {n} tok {mode}")
-                times[mode].append(push_prompt(rig, sender, kv, blocks, layer_s,
+                times[mode].append(push_prompt(rig, book, kv, blocks, layer_s,
                                                cal.group if mode == "layerwise" else None, check=r == 0))
                 bar.update(1)
         b = _median([x["ttft_s"] for x in times["bulk"]])

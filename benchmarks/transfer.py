@@ -1,17 +1,22 @@
 """Transfer microbenchmark: the KV of N tokens, moved side by side in one run through
 
-  limits   memcpy       numpy copyto of the whole payload into one contiguous buffer (1 thread)
+  limits   memcpy       numpy copyto of the whole payload into one contiguous buffer, in as many
+                        threads as the shm path copies with (mover/block_shares.THREADS)
            gather       the realistic block scatter (the name is historical: it writes INTO the
                         cache): each (layer, block) slot into a non-contiguous KV-cache block (numpy
-                        fancy-index copy, 1 thread)
-           socket       raw TCP loopback between two processes, sendall / recv_into one contiguous
-                        buffer: the ceiling for our tcp
-  ours     tcp          StoreClient.read(path=TCP_PULL) from a producer's TieredStore served by
-                        StoreServer, into the KV-cache blocks, then Release (what worker.py does)
+                        fancy-index copy), in the same number of threads
+           socket       raw TCP loopback between two processes: sendmsg of all that is left / one
+                        recv_into(MSG_WAITALL) of all that is left, into one contiguous buffer (no
+                        framing, no checksums): the ceiling for our tcp
+  ours     tcp          one request's load through a real consumer TieredConnectorWorker
+                        (start_load_kv -> Puller -> PullPaths' data path -> take_results) from a
+                        transfer a real producer worker staged (save_kv_layer / wait_for_save: its
+                        StagingBook, Stager and store) and its StoreServer serves; transport tcp
            tcp_aead     tcp with wire_protection "aead": every frame and KV byte sealed (AES-256-GCM,
                         transport/sealed.py), shared secret on both sides; its cost is tcp_aead / tcp
-           shm          the same with path=SHM_PULL (store arena in /dev/shm, one copy)
-           nixl         the same with path=NixlPull(sink) (consumer NixlSink READs the producer arena)
+           shm          the same workers with transport shm (store arena in /dev/shm, one copy)
+           nixl         the same workers with transport nixl (the consumer's NixlSink READs the
+                        producer's arena)
   engines  nixl_direct  NIXL UCX agent-to-agent READ of the same layout, descriptor lists prepared
                         once, progress threads off: the initiator polls the transfer tightly, the
                         target progresses its worker with our server's backoff policy while it runs
@@ -39,10 +44,11 @@ Layout (identical for every path): the producer holds the payload as num_layers 
 has a KV cache of one numpy array [kv_blocks, slot_bytes] per layer (kv_blocks = 2 x num_blocks) and
 the request's blocks land in random, non-contiguous target block ids, as vLLM's block table gives them.
 
-Method. One producer process (spawned) hosts every source: the raw socket sender, three TieredStores
-+ StoreServers (tcp, shm, nixl; entries created / written per layer / sealed with per-slot xxh3
-checksums, like the connector stages them), the NIXL target agent and the Mooncake engine. This
-process is the consumer. Iterations are round-robin over the paths (the start rotates each round), so
+Method. One producer process (spawned) hosts every source: the raw socket sender, one producer
+TieredConnectorWorker per path of ours over the payload's blocks (benchmarks/workers.py: vLLM's
+CPU cache layout, no engine; each stages with its own StagingBook into its own store, with per-slot
+xxh3 checksums, and serves it with its StoreServer), the NIXL target agent and the Mooncake engine.
+This process is the consumer, with one consumer worker per path of ours over the same KV cache. Iterations are round-robin over the paths (the start rotates each round), so
 machine noise hits all paths alike. Our entries are re-staged before each pull, off the clock (a pull
 releases its entry). The first round is a warm-up (connections, NIXL wire-up, page faults) that is
 not timed; in it every path's destination is cleared first and the landed bytes are verified (the
@@ -52,8 +58,9 @@ blocks equal the rows and the other blocks are unchanged, the gathered host tens
 --corrupt (the negative control) flips one byte of the warm-up's staged entry in the arena before it
 is checked: stage / stage_raw must then fail verification (exit 1).
 
-Timed: for ours, everything the worker does for one pull (build the block views, connect + handshake,
-Read, data, checksum verification unless --no-checksum, Release); for raw NIXL make_prepped_xfer +
+Timed: for ours, one request's load as vLLM drives it, start_load_kv to take_results reporting it done
+(the pull thread's hand-off, the target block views, the kept connection, Read, data, checksum
+verification unless --no-checksum, Release); for raw NIXL make_prepped_xfer +
 transfer + polling to DONE + handle release; for Mooncake the batch_transfer_sync_read call.
 
 Usage:  python -m kvconnectors.benchmarks.transfer --preset 8b --tokens 2048 --block-tokens 16 --iters 5
@@ -64,17 +71,19 @@ Usage:  python -m kvconnectors.benchmarks.transfer --preset 8b --tokens 2048 --b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import multiprocessing as mp
 import os
-import secrets
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from kvconnectors.benchmarks.common import (DEFAULT_OUT, add_results_argument, bar_chart, fmt, host_info,
                                             module_main, progress, publish, ratio, setup_env, summarize, table)
@@ -86,11 +95,10 @@ import numpy as np  # noqa: E402
 from kvconnectors import planner  # noqa: E402
 from kvconnectors.benchmarks.models import PRESETS, KVBlocks, Preset  # noqa: E402
 from kvconnectors.store.buffers import aligned_zeros  # noqa: E402
+from kvconnectors.mover import block_shares  # noqa: E402
 from kvconnectors.mover.block_views import BlockViews  # noqa: E402
-from kvconnectors.transport.nixl_bench import transfer_and_poll  # noqa: E402  (no NIXL import: that is lazy)
+from kvconnectors.benchmarks.nixl_bench import transfer_and_poll  # noqa: E402  (no NIXL import: that is lazy)
 
-FP = "kvc-bench-transfer"
-COMPAT_TAG = "bench-transfer"
 BENCH_SECRET = b"kvconnectors-bench-transfer-loopback"  # tcp_aead only; both processes on 127.0.0.1
 SEALED = {"tcp_aead"}  # paths run with wire_protection "aead" (and the secret)
 TIMEOUT_S = 120.0
@@ -137,13 +145,16 @@ class PathInfo:
 
 
 PATHS: dict[str, PathInfo] = {
-    "memcpy": PathInfo("limit", "numpy copyto, contiguous -> contiguous, 1 thread", False),
-    "gather": PathInfo("limit", "slots -> non-contiguous KV blocks (fancy-index copy), 1 thread", False),
-    "socket": PathInfo("limit", "raw TCP loopback, 2 processes, sendall / recv_into", True),
-    "tcp": PathInfo("ours", "StoreServer -> StoreClient.read, data_path inline", True),
+    "memcpy": PathInfo("limit", "numpy copyto, contiguous -> contiguous, as many threads as shm", False),
+    "gather": PathInfo("limit", "slots -> non-contiguous KV blocks (fancy-index copy), as many threads as shm",
+                       False),
+    "socket": PathInfo("limit", "raw TCP loopback, 2 processes, sendmsg / recv_into(MSG_WAITALL), whole buffer",
+                       True),
+    "tcp": PathInfo("ours", "producer worker -> consumer worker's Puller, transport tcp", True),
     "tcp_aead": PathInfo("ours", "tcp with wire_protection aead (every frame and KV byte AES-256-GCM sealed)", True),
-    "shm": PathInfo("ours", "StoreServer -> StoreClient.read, data_path shm", True),
-    "nixl": PathInfo("ours", "StoreServer -> StoreClient.read, data_path nixl (NixlSink)", True, "nixl"),
+    "shm": PathInfo("ours", "producer worker -> consumer worker's Puller, transport shm", True),
+    "nixl": PathInfo("ours", "producer worker -> consumer worker's Puller, transport nixl (NixlSink)", True,
+                     "nixl"),
     "nixl_direct": PathInfo("engine", "NIXL UCX READ agent-to-agent, prepped dlists", True, "nixl"),
     "mooncake": PathInfo("engine", "Mooncake TransferEngine tcp, P2PHANDSHAKE, sync batch read", True,
                          "mooncake"),
@@ -219,21 +230,41 @@ def make_payload(geom: Geometry, seed: int) -> tuple[mmap.mmap, np.ndarray]:
     return m, a.reshape(geom.num_layers, geom.num_blocks, geom.slot_bytes)
 
 
-def slot_checksums(payload: np.ndarray) -> list[int]:
-    """xxh3_64 per (layer, block), layer-major: what the connector seals an entry with."""
-    import xxhash
-
-    return [xxhash.xxh3_64_intdigest(row) for layer in payload for row in layer]
-
-
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+# ============================================================================== our paths: real workers
+def _worker_config(path: str, geom: Geometry, checksum: bool, secret_file: str) -> dict[str, Any]:
+    """TieredConfig of both ends of one of our paths (tcp, tcp_aead, shm, nixl): its transport and
+    wire protection; a store for one transfer; deadlines a loaded benchmark host never hits."""
+    cfg: dict[str, Any] = {"transport": "tcp" if path in ("tcp", "tcp_aead") else path, "checksum": checksum,
+                           "dram_bytes": geom.total_bytes, "lease_ttl_s": 600, "load_timeout_s": TIMEOUT_S,
+                           "connect_timeout_s": 10, "retries": 0, "instance_name": f"bench_{path}_",
+                           "max_concurrent_loads": 1}
+    if path in SEALED:
+        cfg.update(wire_protection="aead", secret_file=secret_file)
+    return cfg
+
+
+@contextlib.contextmanager
+def _secret_file() -> Iterator[str]:
+    """The loopback benchmark's shared secret in an owner-only file while workers start (a worker
+    reads its secret_file once, when it is made)."""
+    fd, name = tempfile.mkstemp(prefix="kvc-bench-secret-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(BENCH_SECRET)
+        yield name
+    finally:
+        os.unlink(name)
+
+
 # ============================================================================== producer process
 def _socket_sender(lsock: socket.socket, data: memoryview) -> None:
-    """Raw socket baseline: one connection; each request byte is answered with the whole payload."""
+    """Raw socket baseline: one connection; each request byte is answered with the whole payload,
+    sent by sendmsg calls over all of what is left (no framing, no checksums, no copies)."""
     try:
         c, _ = lsock.accept()
     except OSError:
@@ -244,7 +275,9 @@ def _socket_sender(lsock: socket.socket, data: memoryview) -> None:
             try:
                 if not c.recv(1):
                     return
-                c.sendall(data)
+                sent = 0
+                while sent < len(data):  # the whole payload per call: the kernel takes what fits
+                    sent += c.sendmsg([data[sent:]])
             except OSError:
                 return
 
@@ -259,33 +292,20 @@ def _producer_main(conn: Any, geom_d: dict, paths: list[str], checksum: bool, se
         flat = payload.reshape(-1)
         base = int(flat.__array_interface__["data"][0])
         ours = [p for p in paths if PATHS[p].kind == "ours"]
-        sums = {"xxh3": slot_checksums(payload)} if checksum and ours else None
-        stores: dict[str, Any] = {}
+        producers: dict[str, Any] = {}  # path -> a producer TieredConnectorWorker over the payload's blocks
         if ours:
-            from kvconnectors.store import StoreConfig, TieredStore
-            from kvconnectors.transport import wire
-            from kvconnectors.transport.server import StoreServer
+            from kvconnectors.benchmarks import workers
 
-            compat = wire.compat_hash(COMPAT_TAG)
-            for p in ours:
-                try:
-                    shm = f"kvcbench_{os.getpid()}_{secrets.token_hex(3)}" if p == "shm" else None
-                    store = TieredStore(StoreConfig(slot_bytes=geom.slot_bytes, dram_bytes=geom.total_bytes,
-                                                    instance_name=f"bench_{p}", shm_name=shm, lease_ttl_s=600))
+            caches = workers.cpu_caches(list(payload), geom.model, geom.block_tokens)
+            with _secret_file() as secret:
+                for p in ours:
                     try:
-                        server = StoreServer(store, "127.0.0.1", 0, fingerprint=FP, num_layers=geom.num_layers,
-                                             compat=compat, nixl=p == "nixl",
-                                             **({"secret": BENCH_SECRET, "protection": "aead"} if p in SEALED else {}))
-                    except BaseException:
-                        store.close()
-                        raise
-                except Exception as exc:
-                    info["errors"][p] = f"producer could not start its store/server: {_describe(exc)}"
-                    continue
-                stores[p] = store
-                closers.append(store.close)
-                closers.append(server.close)
-                info[f"port_{p}"] = server.port
+                        producers[p] = workers.make_worker("p", caches, geom.model, geom.block_tokens,
+                                                           f"bench-p-{p}", **_worker_config(p, geom, checksum, secret))
+                    except Exception as exc:
+                        info["errors"][p] = f"producer could not start its worker: {_describe(exc)}"
+                        continue
+                    closers.append(producers[p].shutdown)
         if "socket" in paths:
             lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             lsock.bind(("127.0.0.1", 0))
@@ -327,19 +347,15 @@ def _producer_main(conn: Any, geom_d: dict, paths: list[str], checksum: bool, se
             cmd = conn.recv()
             if cmd[0] == "stop":
                 break
-            if cmd[0] == "stage":  # stage like the connector: create, write each layer, seal
+            if cmd[0] == "stage":  # the producer worker's step: every layer staged, then sealed
                 _, p, key = cmd
-                store = stores[p]
                 t0 = time.perf_counter()
                 try:
-                    store.create(key, geom.num_layers, geom.num_blocks)
-                    for layer in range(geom.num_layers):
-                        store.write(key, layer, 0, payload[layer])
-                    store.seal(key, sums)
+                    ticket = workers.stage(producers[p], key, list(range(geom.num_blocks)), geom.block_tokens)
                 except Exception as exc:
                     conn.send(("error", _describe(exc)))
                     continue
-                conn.send(("staged", time.perf_counter() - t0))
+                conn.send(("staged", (time.perf_counter() - t0, ticket)))
             elif cmd[0] == "nixl_serve":  # progress the target agent until the READ's notification
                 deadline = time.monotonic() + TIMEOUT_S
                 polls, got = 0, False
@@ -391,7 +407,8 @@ class Producer:
             raise RuntimeError(f"producer answered {reply[0]!r}, expected {expect!r}")
         return reply[1] if len(reply) == 2 else reply[1:]
 
-    def stage(self, path: str, key: str) -> float:
+    def stage(self, path: str, key: str) -> tuple[float, dict[str, Any]]:
+        """Stage a transfer on the producer worker of `path`: (seconds it took, its ticket)."""
         return self.call(("stage", path, key), expect="staged")
 
     def close(self) -> None:
@@ -433,23 +450,21 @@ class Consumer:
                 self.kv.append(a.reshape(geom.kv_blocks, geom.slot_bytes))
         self.seq = 0
         self.sock: socket.socket | None = None
-        self.sink = None
         self.nx_agent = None
         self.nx_handles: list[Any] = []
         self.te = None
         self.extra: dict[str, dict[str, Any]] = {}
-        self.clients: dict[str, Any] = {}  # path -> ClientPool (our paths' kept connections)
-        from kvconnectors.transport import wire
-
-        self.compat = wire.compat_hash(COMPAT_TAG)
+        self.workers: dict[str, Any] = {}  # our path -> its consumer TieredConnectorWorker over self.kv
+        self.copy_threads = block_shares.THREADS  # the limits copy with as many threads as shm does
+        self._copy_pool = ThreadPoolExecutor(max_workers=self.copy_threads, thread_name_prefix="bench-copy")
 
     # ------------------------------------------------------------------ set-up per path
     def target_blocks(self) -> BlockViews:
-        """The target blocks, layer-major, as the worker names them (Loader.direct_rows)."""
+        """The target blocks, layer-major (as the engines' rows read them)."""
         return BlockViews(self.kv, range(self.geom.num_layers), self.targets_list)
 
     def target_addrs(self) -> np.ndarray:
-        """uint64 address of every target block, layer-major (what the worker hands shm and nixl)."""
+        """uint64 address of every target block, layer-major (the engines' destination descriptors)."""
         return self.target_blocks().addrs()
 
     def setup(self, path: str) -> None:
@@ -459,11 +474,14 @@ class Consumer:
         if path == "socket":
             self.sock = socket.create_connection(("127.0.0.1", info["port_socket"]), timeout=TIMEOUT_S)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        elif path == "nixl":
-            from kvconnectors.transport.nixl import NixlSink
+        elif PATHS[path].kind == "ours":  # (nixl: the worker's agent registers the cache at its first pull)
+            from kvconnectors.benchmarks import workers
 
-            self.sink = NixlSink(tag="bench")
-            self.sink.register(self.kv)
+            caches = workers.cpu_caches(self.kv, self.geom.model, self.geom.block_tokens)
+            with _secret_file() as secret:
+                self.workers[path] = workers.make_worker("c", caches, self.geom.model, self.geom.block_tokens,
+                                                         f"bench-c-{path}",
+                                                         **_worker_config(path, self.geom, self.checksum, secret))
         elif path == "nixl_direct":
             self._setup_nixl_direct(*info["nixl_direct"])
         elif path == "mooncake":
@@ -544,12 +562,11 @@ class Consumer:
         if self.mover is not None:
             self.mover.close()
             self.mover = None
-        for pool in self.clients.values():
-            pool.close()
+        for worker in self.workers.values():
+            worker.shutdown()
+        self._copy_pool.shutdown(wait=True)
         if self.sock is not None:
             self.sock.close()
-        if self.sink is not None:
-            self.sink.close()
         if self.nx_agent is not None:
             for kind, h in reversed(self.nx_handles):
                 try:
@@ -603,15 +620,36 @@ class Consumer:
             return getattr(self.mover, MOVER[path])()
         return getattr(self, f"run_{path}")()
 
+    def _in_threads(self, work: Callable[[int, int], None], n: int) -> None:
+        """work(start, stop) over `copy_threads` contiguous shares of range(n) at once (this thread
+        takes the first), as the shm path splits its copy (mover/block_shares.py)."""
+        k = max(1, min(self.copy_threads, n))
+        bounds = [n * i // k for i in range(k + 1)]
+        others = [self._copy_pool.submit(work, bounds[i], bounds[i + 1]) for i in range(1, k)]
+        work(bounds[0], bounds[1])
+        for f in others:
+            f.result()
+
     def run_memcpy(self) -> float:
+        dst, src = self.flat_dst, self.flat_payload
+
+        def share(start: int, stop: int) -> None:  # numpy copies without the GIL
+            np.copyto(dst[start:stop], src[start:stop])
+
         t0 = time.perf_counter()
-        np.copyto(self.flat_dst, self.flat_payload)
+        self._in_threads(share, src.size)
         return time.perf_counter() - t0
 
     def run_gather(self) -> float:
+        blocks = self.geom.num_blocks
+
+        def share(start: int, stop: int) -> None:  # slots [start, stop), layer-major
+            for layer in range(start // blocks, (stop - 1) // blocks + 1):
+                lo, hi = max(start - layer * blocks, 0), min(stop - layer * blocks, blocks)
+                self.kv[layer][self.targets[lo:hi]] = self.payload[layer, lo:hi]
+
         t0 = time.perf_counter()
-        for layer, a in enumerate(self.kv):
-            a[self.targets] = self.payload[layer]
+        self._in_threads(share, self.geom.num_slots)
         return time.perf_counter() - t0
 
     def run_socket(self) -> float:
@@ -620,44 +658,25 @@ class Consumer:
         t0 = time.perf_counter()
         self.sock.sendall(b"g")
         got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
+        while got < n:  # MSG_WAITALL: the kernel fills the whole rest before waking us (few, large receives)
+            k = self.sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
             if k == 0:
                 raise ConnectionError(f"socket sender closed after {got} of {n} bytes")
             got += k
         return time.perf_counter() - t0
 
     def _run_ours(self, path: str) -> float:
-        from kvconnectors.transport.client import StoreClient
-        from kvconnectors.transport.client_pool import ClientPool
-        from kvconnectors.transport.paths import SHM_PULL, TCP_PULL, NixlPull
+        """One request's load through the consumer worker (start_load_kv -> its Puller -> the data
+        path of its transport -> take_results), from a transfer its producer worker staged."""
+        from kvconnectors.benchmarks import workers
 
-        g = self.geom
         self.seq += 1
         key = f"{path}-{self.seq}"
-        stage_s = self.producer.stage(path, key)  # off the clock
+        stage_s, ticket = self.producer.stage(path, key)  # off the clock
         self.extra.setdefault(path, {}).setdefault("stage_s", []).append(stage_s)
-        data_path = {"tcp": TCP_PULL, "tcp_aead": TCP_PULL, "shm": SHM_PULL, "nixl": NixlPull(sink=self.sink)}[path]
-        sealed = {"secret": BENCH_SECRET, "protection": "aead"} if path in SEALED else {}
-        port = self.producer.info[f"port_{path}"]
-        if path not in self.clients:  # one pool per path (they differ in protection), as a worker has one
-            self.clients[path] = ClientPool(
-                lambda host, port: StoreClient(host, port, compat=self.compat, peer_name="bench", **sealed))
         t0 = time.perf_counter()
-        # == tiered/puller.py's Puller._from_producer: the target blocks; the connection of the last pull
-        # if it is still good (client_pool.py), as the worker keeps them
-        deadline = time.monotonic() + TIMEOUT_S
-        dest = self.target_blocks()
-        dest_addrs = None if data_path.streams else dest.addrs()  # the worker hands shm and nixl these
-        with self.clients[path].client("127.0.0.1", port) as client:
-            nbytes = client.read(key, range(g.num_layers), 0, dest, fingerprint=FP, deadline=deadline,
-                                 verify=self.checksum, path=data_path, dest_addrs=dest_addrs)
-            if data_path.streams:
-                client.release(key, deadline)  # shm and nixl released inside read()
-        elapsed = time.perf_counter() - t0
-        if nbytes != g.total_bytes:
-            raise AssertionError(f"{path}: read() reported {nbytes} bytes, expected {g.total_bytes}")
-        return elapsed
+        workers.load(self.workers[path], key, ticket, self.targets_list, TIMEOUT_S)
+        return time.perf_counter() - t0
 
     def run_tcp(self) -> float:
         return self._run_ours("tcp")
@@ -822,7 +841,8 @@ def _result(geom: Geometry, names: list[str], status: dict, consumer: Consumer |
         "benchmark": "transfer",
         "config": {**geom.describe(), "iters": iters, "warmup_rounds": warmup, "seed": seed,
                    "checksum": checksum, "paths": names, "order": "round-robin, start rotated each round",
-                   "gb": "1e9 bytes", "layout": layout, "corrupt": corrupt},
+                   "gb": "1e9 bytes", "layout": layout, "corrupt": corrupt,
+                   "limit_copy_threads": block_shares.THREADS},
         "mover": mover,
         "host": host_info(),
         "env": {k: os.environ.get(k) for k in ("UCX_MODULES", "UCX_NET_DEVICES", "UCX_TLS",

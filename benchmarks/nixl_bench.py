@@ -1,6 +1,6 @@
 """Measure our `nixl` data path against NIXL driven directly, in one run, same layout.
 
-    from kvconnectors.transport.nixl_bench import bench_nixl_pull
+    from kvconnectors.benchmarks.nixl_bench import bench_nixl_pull
     r = bench_nixl_pull(256 << 20)      # {"ours_gbps": ..., "raw_gbps": ..., "ratio": ..., ...}
 
 - ours: a producer process runs a TieredStore + StoreServer(nixl=True) holding one staged entry of
