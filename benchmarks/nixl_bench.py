@@ -65,7 +65,7 @@ def _ours_producer(conn: Any, nbytes: int, block_bytes: int, seed: int, verify: 
 
 
 def _raw_producer(conn: Any, nbytes: int, seed: int, progress_thread: bool) -> None:
-    from kvconnectors.transport import nixl as nx
+    from kvconnectors.transport import nixl_agent as nx  # _api: raw NIXL for the baseline
 
     api = nx._api()
     agent = api.nixl_agent(nx.unique_agent_name("bench-target"),
@@ -111,9 +111,10 @@ def bench_nixl_pull(nbytes: int = 256 << 20, *, block_bytes: int = 128 << 10, it
                     seed: int = 0, timeout_s: float = 120.0) -> dict[str, Any]:
     """Pull `nbytes` through our nixl path and through raw NIXL; returns GB/s of both (medians),
     the per-pull seconds, and ours/raw. The landed bytes are checked once per phase."""
-    from kvconnectors.transport import nixl as nx
+    from kvconnectors.transport import nixl_agent as nx  # _api: raw NIXL for the baseline
     from kvconnectors.transport import wire
     from kvconnectors.transport.client import StoreClient
+    from kvconnectors.transport.nixl import NixlSink
     from kvconnectors.transport.paths import NixlPull
 
     if nbytes < block_bytes or nbytes % block_bytes:
@@ -138,7 +139,7 @@ def bench_nixl_pull(nbytes: int = 256 << 20, *, block_bytes: int = 128 << 10, it
         if not conn.poll(timeout_s):
             raise TimeoutError("the nixl benchmark producer did not start")
         port = conn.recv()
-        sink = nx.NixlSink(tag="bench")
+        sink = NixlSink(tag="bench")
         sink.register([dst])
         dest = [memoryview(dst[j]) for j in local_of]
         times = []

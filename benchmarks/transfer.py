@@ -316,7 +316,7 @@ def _producer_main(conn: Any, geom_d: dict, paths: list[str], checksum: bool, se
         nixl_agent = None
         if "nixl_direct" in paths:
             try:
-                from kvconnectors.transport import nixl as nx
+                from kvconnectors.transport import nixl_agent as nx  # _api: raw NIXL for the baseline
 
                 api = nx._api()
                 nixl_agent = api.nixl_agent(nx.unique_agent_name("bench-target"),
@@ -517,7 +517,7 @@ class Consumer:
                 "source": "synthetic_caches (seeded random bytes), not the payload"}
 
     def _setup_nixl_direct(self, meta: bytes, remote_base: int) -> None:
-        from kvconnectors.transport import nixl as nx
+        from kvconnectors.transport import nixl_agent as nx  # _api: raw NIXL for the baseline
 
         g = self.geom
         api = nx._api()

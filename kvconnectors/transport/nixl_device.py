@@ -2,7 +2,7 @@
 NIXL as VRAM once at start-up (per rank), and each pull READs the producer's pinned arena slots
 straight into the device blocks: no host bounce on the decode side.
 
-This module decides and describes; the READ itself is NixlSink.read_runs (nixl.py), the path
+This module decides and describes; the READ itself is NixlSink.read_runs (nixl_sink.py), the path
 NixlDevicePull (paths/nixl_device.py), the wiring and the log line / metric the worker's (tiered/worker.py):
 
 - `why_not_direct`: the cases that keep the host path whatever NIXL can do (the layout splits a

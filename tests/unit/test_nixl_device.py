@@ -31,6 +31,7 @@ from kvconnectors.mover.device import CpuOps  # noqa: E402
 from kvconnectors.mover.shapes import synthetic_caches  # noqa: E402
 from kvconnectors.transport import nixl as nx  # noqa: E402
 from kvconnectors.transport import nixl_device as nd  # noqa: E402
+from kvconnectors.transport import nixl_sink  # noqa: E402
 from kvconnectors.transport import wire  # noqa: E402
 from kvconnectors.transport.paths import NixlDevicePull  # noqa: E402
 
@@ -119,7 +120,7 @@ def fake(monkeypatch):
         agents.append(agent)
         return agent
 
-    monkeypatch.setattr(nx, "_create_agent", create)
+    monkeypatch.setattr(nixl_sink, "create_agent", create)  # where NixlSink looks it up
     return SimpleNamespace(agents=agents, settings=settings)
 
 

@@ -23,6 +23,7 @@ import xxhash  # noqa: E402
 
 from kvconnectors.errors import ConfigError, FailureCause, TransferError  # noqa: E402
 from kvconnectors.transport import nixl as nx  # noqa: E402
+from kvconnectors.transport import nixl_agent  # noqa: E402
 from kvconnectors.transport import wire  # noqa: E402
 from kvconnectors.transport.client import StoreClient  # noqa: E402
 from kvconnectors.transport.paths import NixlPull  # noqa: E402
@@ -145,7 +146,7 @@ def test_missing_nixl_fails_startup_with_install_hint(monkeypatch):
     def broken():
         raise ImportError("No module named 'nixl'")
 
-    monkeypatch.setattr(nx, "_api", broken)
+    monkeypatch.setattr(nixl_agent, "_api", broken)  # where require_nixl and the agents look it up
     with pytest.raises(ConfigError, match=r"pip install 'kvconnectors\[nixl\]'"):
         nx.require_nixl()
     with pytest.raises(TransferError, match="not importable"):
