@@ -125,12 +125,17 @@ def test_push_one_prefill_two_decodes_and_a_decode_killed(cluster, http_port, ti
     victim = cluster.replicas("Decode:tiny")[0]
     tree = [victim, *victim.children(recursive=True)]
     long_run = [list(range(40 + i, 140 + i)) for i in range(6)]
+    t0 = time.monotonic()
+    token_ids(url, long_run[0], 100)
+    per_token = (time.monotonic() - t0) / 100  # one request alone, its P/D legs included
+    # Each request runs ~8 s at that speed (six at once run slower), so all are still in flight at the
+    # kill 3 s in on any host (400 fixed tokens once all finished before it on a fast one), and no
+    # longer than that on a slow one: prompts of 100 + at most 1,900 tokens < the 2,048 context.
+    long_tokens = max(200, min(1900, int(8.0 / per_token)))
 
     def one(p: list[int]) -> str:
         try:
-            # long enough to still be in flight at the kill on a fast host too (with 400 tokens every
-            # request once finished within the 3 s before it): prompts of 100 + 1,200 < the 2,048 context
-            complete(url, p, model=MODEL, max_tokens=1200, timeout=120)
+            complete(url, p, model=MODEL, max_tokens=long_tokens, timeout=120)
             return "completed"
         except Exception as exc:  # the ingress's HTTP 500
             return f"error: {exc} {getattr(exc, 'read', lambda: b'')().decode(errors='replace')[:300]}"
@@ -143,7 +148,7 @@ def test_push_one_prefill_two_decodes_and_a_decode_killed(cluster, http_port, ti
             except psutil.NoSuchProcess:
                 pass
         outcomes = [f.result(timeout=150) for f in futures]
-    print("outcomes with a decode replica killed:", outcomes)
+    print(f"outcomes with a decode replica killed ({long_tokens} tokens each):", outcomes)
     failed = [o for o in outcomes if o != "completed"]
     assert failed, f"no request was on the killed replica: {outcomes}"
     # the client's error names what died (Ray's words), not a hang or a bare 500
