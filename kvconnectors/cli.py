@@ -38,7 +38,7 @@ examples:
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvconnectors.planner_cli", "Should I split prefill and decode, and how many GPUs per pool?"),
     "demo": ("kvconnectors.benchmarks.demo", "Run a real prefill->decode handoff on the tiny model and compare with colocated."),
-    "make-model": ("kvconnectors.testing.tinymodel", "Generate the deterministic tiny test model."),
+    "make-model": ("kvconnectors.testing.tinymodel", "Generate (or --list) the deterministic tiny test models."),
     "serve-pd": ("kvconnectors.integration.launcher",
                  "Launch prefill and decode `vllm serve` pools plus the P/D proxy."),
     "proxy": ("kvconnectors.integration.proxy", "Run the P/D proxy in front of running prefill/decode instances."),

@@ -1,7 +1,9 @@
-"""Deterministic tiny Llama models with a locally trained byte-level BPE tokenizer.
+"""Deterministic tiny models with a locally trained byte-level BPE tokenizer.
 
-Nothing is downloaded: weights come from a seeded numpy RNG (independent of transformers'
-init code, so the bytes only depend on the spec), the tokenizer is trained on a synthetic
+Nothing is downloaded. The Llama variants (`VARIANTS`) are written by hand: weights from a seeded
+numpy RNG (independent of transformers' init code, so the bytes only depend on the spec). The
+other families (`FAMILY_VARIANTS`, tinyfamilies.py) come from transformers' config classes and
+init code under a fixed torch seed. Every variant uses the same tokenizer, trained on a synthetic
 corpus. Models are cached under `$KVCONNECTORS_CACHE/models/<variant>-<spec hash>`.
 
 Constraints found on vLLM's CPU backend: head_dim >= 32 (CPU attention kernels), a large
@@ -18,6 +20,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from kvconnectors.testing.tinyfamilies import FAMILY_VARIANTS, FamilySpec, write_family_model
 
 GENERATOR_VERSION = 1
 
@@ -50,6 +54,7 @@ class TinyModelSpec:
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
+# The hand-written Llama variants (benchmarks read their shapes: num_layers, head_dim, ...).
 VARIANTS: dict[str, TinyModelSpec] = {
     "tiny": TinyModelSpec(),
     # Deeper and longer, for layer-wise transfer and benchmarks.
@@ -57,6 +62,39 @@ VARIANTS: dict[str, TinyModelSpec] = {
                           intermediate_size=512, max_position=4096),
     "tiny-bf16": TinyModelSpec(dtype="bfloat16"),
 }
+
+# One line per variant for `kvconnectors make-model --list`.
+ABOUT: dict[str, str] = {
+    "tiny": "Llama, 2 layers, hidden 128, fp32 (the tests' model)",
+    "deep": "Llama, 8 layers, hidden 256, 4k context, fp32 (layer-wise transfer, benchmarks)",
+    "tiny-bf16": "Llama, as tiny in bf16",
+    "qwen3": "Qwen3: GQA with q/k norm, 2 layers, hidden 128, fp32",
+    "mixtral": "Mixtral: MoE (4 experts, top-2), 2 layers, hidden 128, fp32",
+    "gemma3": "Gemma3 text: 4 sliding-window (64) + 2 full-attention layers, hidden 256, fp32",
+    "granitemoehybrid": "GraniteMoeHybrid: 4 Mamba2 + 2 attention layers, hidden 256, fp32",
+    "qwen3_next": "Qwen3-Next: 4 Gated DeltaNet + 2 attention layers, MoE, hidden 256, bf16",
+    "deepseek_v2": "DeepseekV2: MLA (latent 512 + rope 64), 4 dense layers, hidden 256, fp32",
+}
+
+
+def known_variants() -> list[str]:
+    """Every variant ensure_tiny_model accepts: the Llama ones, then the other families."""
+    return [*VARIANTS, *FAMILY_VARIANTS]
+
+
+def variant_spec(variant: str) -> TinyModelSpec | FamilySpec:
+    if variant in VARIANTS:
+        return VARIANTS[variant]
+    if variant in FAMILY_VARIANTS:
+        return FAMILY_VARIANTS[variant]
+    raise ValueError(f"unknown tiny model variant {variant!r}; known: {sorted(known_variants())}")
+
+
+def spec_hash(spec: TinyModelSpec | FamilySpec) -> str:
+    """The hash in a variant's directory name (the Llama specs' is their content_hash())."""
+    if isinstance(spec, FamilySpec):
+        return spec.content_hash(GENERATOR_VERSION)
+    return spec.content_hash()
 
 
 def cache_root() -> Path:
@@ -100,7 +138,7 @@ def _corpus(seed: int) -> list[str]:
 
 # ---------------------------------------------------------------- writers
 
-def _train_tokenizer(spec: TinyModelSpec, out: Path) -> None:
+def _train_tokenizer(spec: TinyModelSpec | FamilySpec, out: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -167,26 +205,29 @@ def _write_config(spec: TinyModelSpec, vocab_size: int, bos: int, eos: int, out:
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
 
 
-def generate(spec: TinyModelSpec, out: Path) -> Path:
+def generate(spec: TinyModelSpec | FamilySpec, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     _train_tokenizer(spec, out)
     tok = json.loads((out / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     vocab_size = max(len(vocab), spec.vocab_size)
-    _write_config(spec, vocab_size, vocab["<|bos|>"], vocab["<|eos|>"], out)
-    _write_weights(spec, vocab_size, out)
-    (out / "kvconnectors-spec.json").write_text(
-        json.dumps({"generator_version": GENERATOR_VERSION, **dataclasses.asdict(spec)}, indent=2))
+    if isinstance(spec, FamilySpec):
+        write_family_model(spec, vocab_size, vocab["<|bos|>"], vocab["<|eos|>"], vocab["<|pad|>"], out)
+        recorded = {"generator_version": GENERATOR_VERSION, "content_hash": spec_hash(spec),
+                    **dataclasses.asdict(spec)}
+    else:
+        _write_config(spec, vocab_size, vocab["<|bos|>"], vocab["<|eos|>"], out)
+        _write_weights(spec, vocab_size, out)
+        recorded = {"generator_version": GENERATOR_VERSION, **dataclasses.asdict(spec)}
+    (out / "kvconnectors-spec.json").write_text(json.dumps(recorded, indent=2))
     return out
 
 
 def ensure_tiny_model(variant: str = "tiny", root: Path | None = None) -> Path:
     """Return the path of the cached model `variant`, generating it once (atomically)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown tiny model variant {variant!r}; known: {sorted(VARIANTS)}")
-    spec = VARIANTS[variant]
+    spec = variant_spec(variant)
     root = Path(root) if root is not None else cache_root() / "models"
-    final = root / f"{variant}-{spec.content_hash()}"
+    final = root / f"{variant}-{spec_hash(spec)}"
     if (final / "kvconnectors-spec.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
@@ -205,13 +246,22 @@ def ensure_tiny_model(variant: str = "tiny", root: Path | None = None) -> Path:
 # ---------------------------------------------------------------- CLI: kvconnectors make-model
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--variant", default="tiny", choices=sorted(VARIANTS),
-                        help="which model: 'tiny' (2 layers, tests), 'deep' (8 layers, 4k context, "
-                             "layer-wise and benchmarks), 'tiny-bf16'")
+    parser.add_argument("--variant", default="tiny", choices=known_variants(), metavar="VARIANT",
+                        help="which model to generate (or find in the cache) and print the path of: "
+                             "'tiny' (Llama, 2 layers, the tests' model), 'deep' (Llama, 8 layers, "
+                             "4k context), 'tiny-bf16', or another family: "
+                             + ", ".join(FAMILY_VARIANTS) + " (see --list)")
     parser.add_argument("--root", type=Path, default=None,
                         help="cache folder (default: $KVCONNECTORS_CACHE/models)")
+    parser.add_argument("--list", action="store_true",
+                        help="print every variant with its directory name and a line about it, "
+                             "then exit without generating anything")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.list:
+        for variant in known_variants():
+            print(f"{variant}-{spec_hash(variant_spec(variant))}  {ABOUT[variant]}")
+        return 0
     print(ensure_tiny_model(args.variant, args.root))
     return 0
