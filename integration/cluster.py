@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import tempfile
 import threading
 import time
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kvconnectors.integration import launcher
 from kvconnectors.integration import proxy as proxy_mod
 from kvconnectors.serving import VllmServer, free_port, stop_all
-from kvconnectors.store.arena import ARENA_NAME, SHM_DIR, reap_stale_arenas
+from kvconnectors.store.arena import SHM_DIR, arena_names, reap_stale_arenas
 
 if TYPE_CHECKING:
     from kvconnectors.testing.hosts import Hosts
@@ -250,8 +249,5 @@ class ProxyProcess:
 
 
 def _arena_names() -> set[str]:
-    """The shm arenas of TieredConnector stores on this host (their files in /dev/shm)."""
-    try:
-        return {n for n in os.listdir(SHM_DIR) if ARENA_NAME.match(n)}
-    except OSError:
-        return set()
+    """The shm arenas of TieredConnector stores on this host (their files in SHM_DIR)."""
+    return set(arena_names(SHM_DIR))

@@ -114,20 +114,23 @@ class DramArena:
             self._fd = None
 
 
+def arena_names(directory: str = SHM_DIR) -> list[str]:
+    """The names in `directory` that are stores' arenas by their name (kvc_<instance>_<rank>_<pid>)."""
+    try:
+        return [n for n in os.listdir(directory) if ARENA_NAME.match(n)]
+    except OSError:
+        return []
+
+
 def reap_stale_arenas(directory: str = SHM_DIR) -> list[str]:
     """Remove the arenas of stores that died without closing them (SIGKILL, the OOM killer): a
     /dev/shm file is RAM, held until someone unlinks it. Stale means both: the pid in its name
     is gone, and nobody holds its lock (a live store keeps an exclusive flock on its arena for
     its life, so a store in another pid namespace is never touched). Returns the names removed."""
     removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
+    for name in arena_names(directory):
         m = ARENA_NAME.match(name)
-        if m is None:
-            continue
+        assert m is not None
         path = os.path.join(directory, name)
         try:
             st = os.lstat(path)

@@ -31,7 +31,7 @@ import pytest
 from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import complete, post_json, process_tree
-from kvconnectors.store.arena import ARENA_NAME, SHM_DIR
+from kvconnectors.store.arena import arena_names
 from kvconnectors.transport.client import store_status
 from kvconnectors.testing.compare import assert_same_tokens
 from kvconnectors.testing.controls import assert_control_changed, control_lengths
@@ -108,7 +108,7 @@ def held_by_surviving(store, timeout: float) -> str:
 
 
 def shm_arenas() -> list[str]:
-    return [n for n in os.listdir(SHM_DIR) if ARENA_NAME.match(n)]
+    return arena_names()
 
 
 def ids(resp: dict) -> list[int]:
