@@ -3,17 +3,16 @@
 The benchmarks time the worker's own code through these: a producer stages a prompt with
 save_kv_layer / wait_for_save (its StagingBook, Stager and store, served by its StoreServer), a
 consumer loads a ticket with start_load_kv / take_results (its Puller, PullPaths and PeerLinks).
-vLLM is not started: its config is a SimpleNamespace with the fields the worker reads, as in
-tests/unit/test_tiered_tp.py. The caches are vLLM's CPU layout (LBHNC: one [blocks, kv_heads,
-block_tokens, 2 x head_dim] tensor per layer) over the caller's byte arrays, so a benchmark can
-fill and check them as plain [blocks, slot] bytes.
+vLLM is not started: its config holds only the fields the worker reads (testing/worker_config.py).
+The caches are vLLM's CPU layout (LBHNC: one [blocks, kv_heads, block_tokens, 2 x head_dim] tensor
+per layer) over the caller's byte arrays, so a benchmark can fill and check them as plain [blocks,
+slot] bytes.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from kvconnectors import planner
+from kvconnectors.testing.worker_config import worker_vllm_config
 from kvconnectors.tiered import params as kvparams
 from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.metadata import RecvSpec, SaveSpec, TieredConnectorMetadata
@@ -46,12 +46,7 @@ def make_worker(role: str, caches: dict[str, torch.Tensor], model: planner.Model
                 engine_id: str, **config: Any) -> TieredConnectorWorker:
     """A TP-1 worker ("p": producer, "c": consumer) over `caches`, its parts assembled by
     register_kv_caches; `config`: TieredConfig fields."""
-    vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(is_kv_producer=role == "p", is_kv_consumer=role == "c"),
-        cache_config=SimpleNamespace(block_size=block_tokens,
-                                     get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="LBHNC")),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        model_config=SimpleNamespace(served_model_name=model.name, get_total_num_kv_heads=lambda: model.kv_heads))
+    vllm_config = worker_vllm_config(role, block_tokens, model.kv_heads, model_name=model.name)
     worker = TieredConnectorWorker(vllm_config, TieredConfig(**config), engine_id)
     try:
         worker.register_kv_caches(caches)

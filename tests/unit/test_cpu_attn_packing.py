@@ -587,20 +587,14 @@ def test_vec_and_amx_pack_the_same_head_differently_within_the_same_range(head_s
 def test_the_worker_labels_an_fp8_cache_by_the_models_dtype(host, monkeypatch) -> None:
     """TieredConnectorWorker passes vLLM's model dtype (model_config.dtype) to the packing label:
     a bf16 model with an fp8_e4m3 cache on an AMX host is 'amx', as vLLM packs it."""
-    from types import SimpleNamespace
-
     import kvconnectors.tiered.worker as worker
+    from kvconnectors.testing.worker_config import worker_vllm_config
     from kvconnectors.tiered.config import TieredConfig
 
     host("amx")
     monkeypatch.setattr(worker, "_attention_backend", lambda vllm_config: "CPU_ATTN")
     case = Case(BF16, 128, 32, "amx", "amx", cache_dtype="fp8_e4m3")
-    vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(is_kv_producer=False, is_kv_consumer=True),
-        cache_config=SimpleNamespace(block_size=32, cache_dtype="fp8_e4m3",
-                                     get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="LBHNC")),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        model_config=SimpleNamespace(served_model_name="tiny", dtype=BF16, get_total_num_kv_heads=lambda: 2))
+    vllm_config = worker_vllm_config("c", 32, 2, cache_dtype="fp8_e4m3", model_dtype=BF16)
     w = worker.TieredConnectorWorker(vllm_config, TieredConfig(dram_bytes="4m"), "c-fp8")
     try:
         w.register_kv_caches(allocate(case, 2))

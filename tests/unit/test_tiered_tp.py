@@ -22,6 +22,7 @@ from kvconnectors.errors import FailureCause, TransferError
 from kvconnectors.mover.geometry import UnsupportedKVCache
 from kvconnectors.mover.heads import head_map
 from kvconnectors.mover.shapes import synthetic_caches
+from kvconnectors.testing.worker_config import worker_vllm_config
 from kvconnectors.tiered import params as kvparams
 from kvconnectors.tiered.config import TieredConfig
 from kvconnectors.tiered.layout import detect_layout
@@ -53,12 +54,7 @@ def make_worker(role: str, tp: int, rank: int, caches: dict[str, torch.Tensor], 
 
     from kvconnectors.tiered.worker import TieredConnectorWorker
 
-    vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(is_kv_producer=role == "p", is_kv_consumer=role == "c"),
-        # vLLM resolves the layout (the connector asks for LBHNC); with one head per rank it cannot be detected
-        cache_config=SimpleNamespace(block_size=BS, get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="LBHNC")),
-        parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-        model_config=SimpleNamespace(served_model_name="tiny", get_total_num_kv_heads=lambda: HEADS))
+    vllm_config = worker_vllm_config(role, BS, HEADS, tp_size=tp)
     w = TieredConnectorWorker(vllm_config, TieredConfig(dram_bytes="4m", load_timeout_s=10, connect_timeout_s=2,
                                                         **cfg), f"{role}{tp}-{rank}")
     monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: rank)
@@ -208,11 +204,7 @@ def test_a_cache_that_cannot_be_sliced_is_said_at_start_up_naming_layout_and_dty
     monkeypatch.setattr(worker, "_attention_backend", lambda vllm_config: backend)
     caches = synthetic_caches(physical, num_layers=LAYERS, num_blocks=BLOCKS, heads=HEADS, block_size=BS, content=C,
                               dtype=torch.bfloat16, seed=3)
-    vllm_config = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(is_kv_producer=False, is_kv_consumer=True),
-        cache_config=SimpleNamespace(block_size=BS, get_resolved_kv_cache_layout=lambda: SimpleNamespace(name=physical)),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        model_config=SimpleNamespace(served_model_name="tiny", get_total_num_kv_heads=lambda: HEADS))
+    vllm_config = worker_vllm_config("c", BS, HEADS, layout=physical)
     w = worker.TieredConnectorWorker(vllm_config, TieredConfig(dram_bytes="4m"), "c-startup")
     try:
         with caplog.at_level(logging.WARNING, logger="kvconnectors"):

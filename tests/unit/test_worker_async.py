@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -27,6 +26,7 @@ import torch
 
 from kvconnectors.mover import CpuOps
 from kvconnectors.mover.shapes import synthetic_caches
+from kvconnectors.testing.worker_config import worker_vllm_config
 from kvconnectors.tiered import params as kvparams
 from kvconnectors.tiered import worker as worker_mod
 from kvconnectors.tiered.config import TieredConfig
@@ -95,12 +95,7 @@ def make_worker(monkeypatch) -> Iterator[Callable[..., TieredConnectorWorker]]:
     made: list[tuple[TieredConnectorWorker, CpuOps | None]] = []
 
     def build(role: str, caches: dict[str, torch.Tensor], ops: CpuOps | None = None) -> TieredConnectorWorker:
-        vllm_config = SimpleNamespace(
-            kv_transfer_config=SimpleNamespace(is_kv_producer=role == "p", is_kv_consumer=role == "c"),
-            cache_config=SimpleNamespace(block_size=BS, get_resolved_kv_cache_layout=lambda: SimpleNamespace(
-                name=LAYOUT)),
-            parallel_config=SimpleNamespace(tensor_parallel_size=1),
-            model_config=SimpleNamespace(served_model_name="tiny", get_total_num_kv_heads=lambda: HEADS))
+        vllm_config = worker_vllm_config(role, BS, HEADS, layout=LAYOUT)
         w = TieredConnectorWorker(vllm_config, TieredConfig(dram_bytes="4m", load_timeout_s=BOUND_S,
                                                             connect_timeout_s=2), f"{role}-async")
         made.append((w, ops))
