@@ -707,10 +707,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvconnectors serve-pd: error: {exc}", file=sys.stderr)
         return 2
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvc-serve-pd-"))
-    if args.dry_run:
-        print(describe(plans, args, log_dir, proxy_cfg, placement))
+    if args.dry_run:  # a dry run starts nothing, so it makes no log folder either
+        print(describe(plans, args, args.log_dir or Path(tempfile.gettempdir(), "kvc-serve-pd-<new>"),
+                       proxy_cfg, placement))
         return 0
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvc-serve-pd-"))
     if importlib.util.find_spec("vllm") is None:  # else each server dies on it, the cause only in its log
         raise ModuleNotFoundError("No module named 'vllm'", name="vllm")  # the CLI names the extra
     servers = [build_server(p, args, log_dir) for p in plans]

@@ -54,6 +54,20 @@ atexit.register(shutil.rmtree, _RPC_DIR, ignore_errors=True)
 
 
 _SESSION_START = time.time()
+_SESSION_AFFINITY = os.sched_getaffinity(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_not_left_pinned():
+    """After each module: this process's CPU affinity is what it was at the start. In-process
+    engines pin it (kvconnectors/testing/process_state.py), and every server, proxy and client
+    started later would inherit one core: the suite once ran ~1.8x slower that way, unnoticed."""
+    yield
+    now = os.sched_getaffinity(0)
+    if now != _SESSION_AFFINITY:
+        os.sched_setaffinity(0, _SESSION_AFFINITY)  # the next modules run as they should
+        pytest.fail(f"this module left the test process pinned to cores {sorted(now)} "
+                    f"(it started on {sorted(_SESSION_AFFINITY)})")
 
 
 @pytest.fixture(scope="module", autouse=True)

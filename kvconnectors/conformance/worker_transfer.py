@@ -20,6 +20,7 @@ import pytest
 from kvconnectors.conformance.capabilities import requires
 from kvconnectors.conformance.harness import create_request
 from kvconnectors.conformance.workers import compare_blocks, single_rank_parallel_state
+from kvconnectors.testing import process_state
 from kvconnectors.testing.prompts import token_prompts
 
 
@@ -48,6 +49,7 @@ class Transfer:
 def engine_pair(backend: Any, **kwargs: Any):
     stack = contextlib.ExitStack()
     with stack:
+        stack.enter_context(process_state.kept())  # workers pin this thread, write os.environ
         stack.enter_context(backend.worker_context())
         if backend.needs_parallel_state:
             from kvconnectors.conformance.harness import create_vllm_config

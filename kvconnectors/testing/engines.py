@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvconnectors.testing import process_state
 from kvconnectors.transport.ucx_env import set_cpu_defaults
 
 # Must be set before vLLM is imported: run EngineCore in this process so tests can see
@@ -42,15 +43,17 @@ def engine_kwargs(model: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
 
 @contextlib.contextmanager
 def llm_engine(model: str, **kwargs: Any) -> Iterator[Any]:
-    """Yield a `vllm.LLM` and destroy it (and vLLM's distributed state) on exit."""
-    from vllm import LLM
+    """Yield a `vllm.LLM` and destroy it (and vLLM's distributed state) on exit, leaving this
+    process's CPU affinity and environment as they were (vLLM's CPU worker changes both)."""
+    with process_state.kept():
+        from vllm import LLM
 
-    llm = LLM(**engine_kwargs(model, **kwargs))
-    try:
-        yield llm
-    finally:
-        shutdown_llm(llm)
-        gc.collect()
+        llm = LLM(**engine_kwargs(model, **kwargs))
+        try:
+            yield llm
+        finally:
+            shutdown_llm(llm)
+            gc.collect()
 
 
 def shutdown_llm(llm: Any) -> None:

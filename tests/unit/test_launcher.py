@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -148,6 +149,15 @@ def test_dry_run_prints_plan_and_starts_nothing(capsys):
     assert out.count("vllm.entrypoints.openai.api_server") == 3
     assert out.count("VLLM_CPU_OMP_THREADS_BIND=") == 3
     assert "-m kvconnectors.integration.proxy" in out and out.count("--decode") == 2
+
+
+def test_dry_run_without_log_dir_leaves_no_folder(capsys, tmp_path, monkeypatch):
+    """A dry run starts nothing, so it makes no log folder under the temp dir either (one per run
+    used to be left behind, empty)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert L.run(parse("--prefill", "1", "--decode", "1", "--dry-run")) == 0
+    assert "vllm.entrypoints.openai.api_server" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_help_explains_every_flag():
