@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import kvconnectors
-from kvconnectors.cli_types import PortInUseError, check_port_free, port_or_zero, positive_int
+from kvconnectors.cli_types import PortInUseError, check_port_free, port_or_zero, positive_float, positive_int
+from kvconnectors.integration import preflight
 from kvconnectors.serving import (CPU_DEFAULT_ARGS, CPU_KV_CACHE_BYTES, CUDA_DEFAULT_ARGS, ServerStartError,
                                   VllmServer, free_port, free_port_block, stop_all)
 from kvconnectors.transport.exposure import check_exposure, is_loopback, is_wildcard
@@ -475,7 +476,19 @@ def validate(args: argparse.Namespace) -> None:
         if args.mode == "push":
             raise ValueError("--mode push needs TieredConnector (NixlConnector's own push flow is not "
                              "driven by this proxy)")
+    preflight.check_vllm_args(args.vllm_args)
+    preflight.check_user_extra(getattr(args, "kv_transfer_config_extra", None))
     check_host_exposure(args)
+
+
+def check_plans(plans: Sequence[InstancePlan], *, create_dirs: bool) -> None:
+    """Every instance's --kv-transfer-config as vLLM and its connector will read it, before any
+    server loads a model (integration/preflight.py); ValueError naming the instance, key and value."""
+    for plan in plans:
+        try:
+            preflight.check_transfer_config(plan.kv_transfer_config, create_dirs=create_dirs)
+        except ValueError as exc:
+            raise ValueError(f"{plan.name}'s --kv-transfer-config (with --kv-transfer-config-extra): {exc}") from None
 
 
 def _user_extra(args: argparse.Namespace) -> dict[str, Any]:
@@ -678,7 +691,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pin", action="store_true",
                         help="CPU only: do not pin instance i's whole process tree to core i %% ncpu "
                              "(CUDA instances are never pinned)")
-    parser.add_argument("--health-timeout", type=float, default=300.0,
+    parser.add_argument("--health-timeout", type=positive_float, default=300.0,
                         help="seconds to wait for every server's /health before giving up")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="where <instance>.log files go (default: a new temporary directory)")
@@ -698,6 +711,7 @@ def run(args: argparse.Namespace) -> int:
         validate(args)
         placement = resolve_device(args)
         plans = plan_instances(args, placement=placement)
+        check_plans(plans, create_dirs=not args.dry_run)
         proxy_cfg = proxy_config(plans, args)
         if args.proxy != "none" and not args.dry_run:
             check_port_free(proxy_cfg.host, proxy_cfg.port)  # now, not after minutes of vLLM start-up

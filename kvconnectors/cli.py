@@ -42,6 +42,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-pd": ("kvconnectors.integration.launcher",
                  "Launch prefill and decode `vllm serve` pools plus the P/D proxy."),
     "proxy": ("kvconnectors.integration.proxy", "Run the P/D proxy in front of running prefill/decode instances."),
+    "check-config": ("kvconnectors.integration.preflight",
+                     "Check a --kv-transfer-config before starting vLLM: print the effective settings or the refusal."),
     "conformance": ("kvconnectors.conformance.cli", "Run the connector conformance suite and print a matrix."),
     "bench": ("kvconnectors.benchmarks.cli", "Run a benchmark (transfer, tiers, layerwise, e2e, proxy, device)."),
 }

@@ -165,6 +165,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
             dups = sorted({u for u in urls if urls.count(u) > 1})
             if dups:
                 raise ValueError(f"{flag} lists the same instance more than once: {dups}")
+        both = sorted({s.url for s in self.prefill} & {s.url for s in self.decode})
+        if both:  # one engine cannot be both legs: its own KV would be "transferred" to itself
+            raise ValueError(f"--prefill and --decode name the same instance: {both}; a prefill and a decode "
+                             "instance are two servers")
         check_forwarded_keys(self.forward_kv_params, setting="--forward-kv-params",
                              unlocked=self.unlock_transfer_keys, unlock="--unlock-transfer-keys is given")
         if self.metrics_port and (self.metrics_host, self.metrics_port) == (self.host, self.port):

@@ -41,6 +41,9 @@ def parse_size(value: int | float | str) -> int:
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"size must be a finite number >= 0, got {value!r}")
+        if not value.is_integer():  # 1.5 bytes is a unit left out ('1.5g'), not 1 byte
+            raise ValueError(f"a number of bytes must be whole, got {value!r} (with a unit: '{value:g}g', "
+                             f"'{value:g}MiB')")
         return int(value)
     if not isinstance(value, str):
         raise ValueError(f"not a size: {value!r}")

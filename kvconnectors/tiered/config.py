@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import typing
 from typing import Annotated, Any, Literal
 
@@ -130,6 +131,10 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         self.nvme_bytes = size_setting("nvme_bytes", self.nvme_bytes, allow_zero=True)
         if self.nvme_bytes and not self.nvme_dirs:
             raise ConfigError("nvme_bytes", raw_nvme, "is set but nvme_dirs is empty")
+        if self.nvme_dirs and not self.nvme_bytes:
+            raise ConfigError("nvme_dirs", self.nvme_dirs, (
+                "is set but nvme_bytes is 0, which turns the NVMe tier off: set nvme_bytes (the budget over all "
+                "the directories, e.g. '200g'), or leave nvme_dirs out"))
         from kvconnectors.transport.faults import FaultPlan
 
         self.fault_plan = FaultPlan.from_config(self.fault_injection)
@@ -182,6 +187,34 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
                 "v3 authenticates one way only, so a peer that says it speaks only v3 would be trusted without "
                 "proving the secret. Upgrade the pool's instances together (or per prefill/decode pair), or roll "
                 "forward without a secret on a trusted network"))
+
+    def check_role(self, kv_role: str | None) -> None:
+        """What this instance's role needs. A push-mode decode runs the landing store the prefill
+        streams to, at an address the proxy must be told: a random port (store_port 0) cannot be."""
+        if self.transfer_mode == "push" and kv_role == "kv_consumer" and not self.store_port:
+            raise ConfigError("store_port", self.store_port, (
+                "must be a fixed port on a push-mode decode (kv_role kv_consumer, transfer_mode push): its landing "
+                "store listens there and the proxy names it to the prefill (--decode URL,kv=HOST:PORT); 0 would "
+                "pick a random port nobody can be told"))
+
+    def check_local(self, *, create_dirs: bool = True) -> None:
+        """What start-up would find on this host, checked now instead of after the model and KV cache
+        are loaded: the NVMe directories (created if nvme_create_dirs, unless `create_dirs` is False:
+        then a missing one that would be created is passed), the names of the store's files, the
+        secret file. ConfigError naming the setting and the value."""
+        from kvconnectors.store.config import StoreConfig  # noqa: PLC0415 - config stays light to import
+        from kvconnectors.transport.auth import load_secret  # noqa: PLC0415
+
+        dirs = self.nvme_dirs if create_dirs or not self.nvme_create_dirs else [
+            d for d in self.nvme_dirs if os.path.lexists(d)]
+        # slot_bytes is the model's block size, unknown here: one byte checks everything else
+        if not re.fullmatch(r"[A-Za-z0-9_.]{1,60}", self.instance_name):  # the store adds the rank
+            raise ConfigError("instance_name", self.instance_name, "must be 1-60 characters of [A-Za-z0-9_.]")
+        StoreConfig(slot_bytes=1, dram_bytes=self.dram_bytes, nvme_dirs=dirs, nvme_bytes=self.nvme_bytes if dirs else 0,
+                    nvme_create_dirs=self.nvme_create_dirs and create_dirs, lease_ttl_s=self.lease_ttl_s,
+                    instance_name=f"{self.instance_name}0", dram_prefault=False)
+        if self.secret_file:
+            load_secret(self.secret_file)
 
     @property
     def compat(self) -> str | dict[int, str]:

@@ -58,6 +58,7 @@ class TieredConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         config = TieredConfig.from_extra(ktc.kv_connector_extra_config)
         config.check_engine_policy(getattr(ktc, "kv_load_failure_policy", "fail"))
+        config.check_role(ktc.kv_role)
         engine_id = str(ktc.engine_id)
         self.connector_scheduler: TieredConnectorScheduler | None = None
         self.connector_worker: TieredConnectorWorker | None = None

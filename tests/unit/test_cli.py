@@ -27,7 +27,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.e
 def proxy_parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     P.add_arguments(parser)
-    return parser.parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:1", *argv])
+    return parser.parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", *argv])
 
 
 def serve_pd_parse(*argv: str) -> argparse.Namespace:
@@ -118,7 +118,7 @@ def test_proxy_on_a_taken_port_says_so_in_one_line(busy_port: int, capsys: pytes
     port and the flag. (Its instances refuse connections at once, so the start-up health round is
     quick.) Negative control: without `binding(...)` around PDProxy.start's site.start(), the
     asyncio OSError escapes main() and this test fails with it."""
-    rc = P.main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:1", "--port", str(busy_port),
+    rc = P.main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", str(busy_port),
                  "--connect-timeout", "1", "--health-timeout", "1", "--log-level", "error"])
     err = capsys.readouterr().err
     assert rc == 2, err
