@@ -413,6 +413,19 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
     return plans
 
 
+def pools_summary(plans: Sequence[InstancePlan], parallel: VllmParallel) -> str:
+    """'2 GPU(s) per instance (tensor parallel 2)', or per pool when --prefill-tp/--decode-tp differ:
+    each pool as planned, not --vllm-args alone (which said "no tensor parallelism" beside --prefill-tp 2)."""
+    pools: dict[str, tuple[int, int]] = {}
+    for p in plans:
+        pools.setdefault(p.role, (len(p.gpus), p.tp))
+    said = {role: f"{gpus} GPU(s) per instance ({dataclasses.replace(parallel, tensor_parallel=tp).describe()})"
+            for role, (gpus, tp) in pools.items()}
+    if len(set(said.values())) == 1:
+        return next(iter(said.values()))
+    return "; ".join(f"{role} {text}" for role, text in said.items())
+
+
 def pool_tp(args: argparse.Namespace, role: str, placement: Placement) -> int:
     """The tensor parallel size of one pool: --prefill-tp / --decode-tp, else --vllm-args' (else 1)."""
     own = getattr(args, f"{role}_tp", None)
@@ -597,8 +610,7 @@ def describe(plans: Sequence[InstancePlan], args: argparse.Namespace, log_dir: P
     if placement is not None and placement.device == "cuda":
         used = {g for p in plans for g in p.gpus}
         unused = [g for g in placement.gpus if g not in used]
-        lines.append(f"# device cuda: {placement.per_instance} GPU(s) per instance "
-                     f"({placement.parallel.describe()}), from {placement.source}"
+        lines.append(f"# device cuda: {pools_summary(plans, placement.parallel)}, from {placement.source}"
                      + (f"; unused: {','.join(unused)}" if unused else ""))
         lines.append("# GPUs: " + ", ".join(f"{p.name} -> {','.join(p.gpus)}" for p in plans))
     for p in plans:

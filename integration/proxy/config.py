@@ -144,6 +144,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
         "let --forward-kv-params name transfer-plane keys (e.g. kvc_fault, TieredConnector's test hooks): a "
         "client could then choose where its KV is pushed, or corrupt its transfers. For tests and chaos runs "
         "only")] = False
+    kv_both: Annotated[bool, _flag(
+        "instances may be listed in both --prefill and --decode: they run kv_role kv_both (without it such a "
+        "listing is refused, as one server given as both legs by mistake)")] = False
 
     def __post_init__(self) -> None:
         settings.check_fields(self)
@@ -166,9 +169,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True):
             if dups:
                 raise ValueError(f"{flag} lists the same instance more than once: {dups}")
         both = sorted({s.url for s in self.prefill} & {s.url for s in self.decode})
-        if both:  # one engine cannot be both legs: its own KV would be "transferred" to itself
+        if both and not self.kv_both:  # a kv_producer cannot decode, nor a kv_consumer prefill
             raise ValueError(f"--prefill and --decode name the same instance: {both}; a prefill and a decode "
-                             "instance are two servers")
+                             "instance are two servers (instances with kv_role kv_both may be both: pass --kv-both)")
         check_forwarded_keys(self.forward_kv_params, setting="--forward-kv-params",
                              unlocked=self.unlock_transfer_keys, unlock="--unlock-transfer-keys is given")
         if self.metrics_port and (self.metrics_host, self.metrics_port) == (self.host, self.port):

@@ -248,7 +248,7 @@ def test_prefill_killed_traffic_moves_to_the_other(tiny_model, prompts, colocate
             s.start(wait=False)
         for s in servers:
             s.wait_healthy()
-        argv = ["--port", str(free_port()), *PROXY_FAST]
+        argv = ["--port", str(free_port()), "--kv-both", *PROXY_FAST]
         for s in servers:
             argv += ["--prefill", s.url, "--decode", s.url]
         proxy = ProxyThread(parse_proxy_argv(argv)).start()

@@ -243,7 +243,7 @@ def test_every_proxy_setting_has_its_flag_default_and_help() -> None:
 
 def test_the_flags_are_the_ones_of_before() -> None:
     """Every flag name of the hand-written parser this replaced, with the cli_types types, the
-    body limits added since (issue 16), and the slow/hostile-client limits (issue 34)."""
+    body limits added since (issue 16), the slow/hostile-client limits (issue 34) and --kv-both (issue 41)."""
     from kvconnectors import cli_types
 
     actions = {a.option_strings[0]: a for a in _proxy_parser()._actions if a.option_strings}
@@ -253,7 +253,7 @@ def test_the_flags_are_the_ones_of_before() -> None:
                             "--log-level", "--forward-kv-params", "--max-body-bytes", "--max-inflight-body-bytes",
                             "--max-body-strings", "--body-timeout", "--header-timeout", "--keepalive-timeout",
                             "--max-client-connections", "--max-client-requests", "--metrics-host", "--metrics-port",
-                            "--metrics-token-file", "--unlock-transfer-keys"}
+                            "--metrics-token-file", "--unlock-transfer-keys", "--kv-both"}
     assert actions["--port"].type is cli_types.port_or_zero and actions["--log-level"].type is cli_types.log_level
     assert actions["--prefill-retries"].type is cli_types.non_negative_int
     assert actions["--log-level"].choices == cli_types.LOG_LEVELS and actions["--mode"].choices == ("pull", "push")

@@ -274,6 +274,14 @@ def test_dry_run_shows_the_gpu_assignment(cuda_host, capsys):
         assert flag not in out, flag
 
 
+def test_dry_run_header_tells_each_pools_tensor_parallelism(cuda_host, capsys):
+    """It said "1 GPU(s) per instance (no tensor parallelism)" beside --prefill-tp 2 (issue 41)."""
+    assert L.run(parse("--gpus", "0,1,2", "--prefill-tp", "2", "--connector", "NixlConnector", "--dry-run")) == 0
+    out = capsys.readouterr().out
+    assert ("# device cuda: prefill 2 GPU(s) per instance (tensor parallel 2); decode 1 GPU(s) per instance "
+            "(no tensor parallelism), from --gpus 0,1,2") in out, out.splitlines()[0]
+
+
 def test_dry_run_on_cpu_shows_no_gpus(capsys):
     assert L.run(parse("--dry-run", "--log-dir", "/tmp/x")) == 0
     out = capsys.readouterr().out

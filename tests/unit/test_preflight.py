@@ -140,6 +140,8 @@ def test_check_config_refuses_what_vllm_would():
 
 
 # ------------------------------------------------------------------------ the proxy
-def test_the_proxy_refuses_one_server_as_both_legs():
-    with pytest.raises(ValueError, match="--prefill and --decode name the same instance"):
-        L.parse_proxy_argv(["--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8100"])
+def test_the_proxy_refuses_one_server_as_both_legs_unless_told_they_are_kv_both():
+    argv = ["--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8100"]
+    with pytest.raises(ValueError, match="--prefill and --decode name the same instance.*pass --kv-both"):
+        L.parse_proxy_argv(argv)
+    assert L.parse_proxy_argv([*argv, "--kv-both"]).kv_both  # tests/e2e/test_proxy_servers.py runs such a pool
