@@ -362,6 +362,8 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
     tensor parallel size k > 1 a TieredConnector store_port starts k free ports (rank r listens on
     store_port + r), from port_block_fn(k)."""
     placement = resolve_device(args) if placement is None else placement
+    if getattr(args, "base_port", 0):
+        port_fn, port_block_fn = sequential_ports(args.base_port)
     roles = [("prefill", "kv_producer")] * args.prefill + [("decode", "kv_consumer")] * args.decode
     names = [f"prefill-{i}" for i in range(args.prefill)] + [f"decode-{i}" for i in range(args.decode)]
     tps = [pool_tp(args, role, placement) for role, _ in roles]
@@ -411,6 +413,30 @@ def plan_instances(args: argparse.Namespace, cores: Sequence[int] | None = None,
         own = ("--tensor-parallel-size", str(tp)) if tp != par.tensor_parallel else ()
         plans.append(InstancePlan(name, role, port_fn(), core, cfg, env, kv_addr, gpus[i], tp=tp, extra_args=own))
     return plans
+
+
+def sequential_ports(base: int) -> tuple[Callable[[], int], Callable[[int], int]]:
+    """--base-port: one port, or a block of n consecutive ports, at a time from `base` up."""
+    state = {"next": base}
+
+    def block(n: int) -> int:
+        start = state["next"]
+        if start + n - 1 > 65535:
+            raise ValueError(f"--base-port {base}: the instances need ports past 65535; choose a lower base")
+        state["next"] = start + n
+        return start
+    return (lambda: block(1)), block
+
+
+def planned_ports(plans: Sequence[InstancePlan]) -> list[int]:
+    """Every port the instances will listen on: HTTP, each TieredConnector store rank's, NIXL's side channel."""
+    ports = [p.port for p in plans]
+    for p in plans:
+        store = p.kv_transfer_config.get("kv_connector_extra_config", {}).get("store_port")
+        ports += list(range(store, store + p.tp)) if store else []
+        if "VLLM_NIXL_SIDE_CHANNEL_PORT" in p.env:
+            ports.append(int(p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]))
+    return ports
 
 
 def pools_summary(plans: Sequence[InstancePlan], parallel: VllmParallel) -> str:
@@ -693,6 +719,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let --host be an address other hosts can reach without a shared secret (a "
                              "trusted network); TieredConnector instances get allow_insecure: true")
     parser.add_argument("--proxy-host", default="127.0.0.1", help="address the proxy listens on")
+    parser.add_argument("--base-port", type=port_or_zero, default=0, metavar="PORT",
+                        help="give the instances fixed ports from PORT up, in order (each instance takes its KV "
+                             "store's port, one per TP rank, or NIXL's side-channel port, then its HTTP port), so "
+                             "every run of the same command uses the same ports; each is checked free before "
+                             "anything starts. 0: free ports picked at random")
     parser.add_argument("--proxy-port", type=port_or_zero, default=8000,
                         help="port the proxy listens on; 0 picks a free one (the log says which)")
     parser.add_argument("--proxy", choices=("inprocess", "subprocess", "none"), default="inprocess",
@@ -725,6 +756,12 @@ def run(args: argparse.Namespace) -> int:
         plans = plan_instances(args, placement=placement)
         check_plans(plans, create_dirs=not args.dry_run)
         proxy_cfg = proxy_config(plans, args)
+        if args.base_port and not args.dry_run:
+            for port in planned_ports(plans):
+                try:
+                    check_port_free(args.host, port)
+                except PortInUseError as exc:
+                    raise ValueError(f"--base-port {args.base_port}: {exc.strerror}") from None
         if args.proxy != "none" and not args.dry_run:
             check_port_free(proxy_cfg.host, proxy_cfg.port)  # now, not after minutes of vLLM start-up
     except PortInUseError as exc:

@@ -145,3 +145,26 @@ def test_the_proxy_refuses_one_server_as_both_legs_unless_told_they_are_kv_both(
     with pytest.raises(ValueError, match="--prefill and --decode name the same instance.*pass --kv-both"):
         L.parse_proxy_argv(argv)
     assert L.parse_proxy_argv([*argv, "--kv-both"]).kv_both  # tests/e2e/test_proxy_servers.py runs such a pool
+
+
+# ------------------------------------------------------------------------ --base-port
+def test_base_port_gives_the_same_ports_every_run():
+    """Random ports every run before (issue 41): a pool's addresses could not be written down."""
+    def ports() -> list[int]:
+        return L.planned_ports(L.plan_instances(parse("--base-port", "21000", "--decode", "2", "--decode-tp", "2"),
+                                                cores=[0, 1]))
+    first = ports()
+    assert first == ports()
+    assert sorted(first) == list(range(21000, 21000 + 3 + 1 + 2 * 2)), first  # 3 HTTP, 1 + 2x2 store ranks
+
+
+def test_base_port_refuses_a_port_in_use_before_starting(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert L.run(parse("--base-port", str(port), "--proxy", "none")) == 2
+    err = capsys.readouterr().err
+    assert f"--base-port {port}: port {port} on 127.0.0.1 is already in use" in err
