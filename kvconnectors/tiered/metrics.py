@@ -105,6 +105,10 @@ STATUS_GAUGES: tuple[Metric, ...] = tuple(
         ("entries", "entries", "transfers held in the store"),
         ("dram_bytes", "dram_used_bytes", "bytes held in the DRAM tier"),
         ("nvme_bytes", "nvme_used_bytes", "bytes held in the NVMe tier"),
+        ("dram_capacity_bytes", "dram_capacity_bytes", "bytes the DRAM tier can hold (dram_bytes, whole slots): "
+         "store_dram_bytes / this is how full it is"),
+        ("nvme_capacity_bytes", "nvme_capacity_bytes", "bytes the NVMe tier can hold (nvme_bytes, whole slots; 0: "
+         "no NVMe tier)"),
         ("pinned", "pinned", "entries pinned by a read in progress"),
         ("connections", "active_connections", "open connections to the store server (pulls, pushes, renewals)"),
         ("auth_failures", "auth_failures", "handshakes that failed the shared-secret proof since the server started "

@@ -157,7 +157,8 @@ class PullService:
             nvme_used_bytes=usage["nvme"]["used_bytes"], pinned=usage["pinned"],
             active_connections=self.active_connections() - 1, counters=counters,  # minus this one
             rejected=dict(self.counters.rejected), auth_failures=self.counters.auth_failures,
-            integrity_failures=self.counters.integrity_failures, tp_size=self.tp_size),
+            integrity_failures=self.counters.integrity_failures, tp_size=self.tp_size,
+            dram_capacity_bytes=usage["dram"]["capacity_bytes"], nvme_capacity_bytes=usage["nvme"]["capacity_bytes"]),
             limit=wire.MAX_CONTROL_BYTES)
 
     def locate(self, sock: socket.socket, msg: wire.Locate) -> None:

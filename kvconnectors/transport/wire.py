@@ -146,6 +146,8 @@ class StatusReply(msgspec.Struct, tag=True):
     auth_failures: int = 0  # v4: handshakes that failed the shared-secret proof, since start
     integrity_failures: int = 0  # sealed records (wire_protection aead) that failed their tag, since start
     tp_size: int = 0  # TP size of the instance this store belongs to (0: not said, an earlier release)
+    dram_capacity_bytes: int = 0  # the tiers' sizes, for "store nearly full" alerts (0: not said, an earlier release)
+    nvme_capacity_bytes: int = 0
 
 
 class Push(msgspec.Struct, tag=True):

@@ -102,6 +102,8 @@ def test_store_gauges_are_read_at_scrape_time(metrics, ranks) -> None:
     assert gauge(registry, "entries") == 1.0
     assert gauge(registry, "dram_bytes") == LAYERS * BLOCKS * SLOT
     assert gauge(registry, "nvme_bytes") == 0.0 and gauge(registry, "pinned") == 0.0
+    # how full: "store nearly full" is store_dram_bytes / store_dram_capacity_bytes (issue 41)
+    assert gauge(registry, "dram_capacity_bytes") == 64 * SLOT and gauge(registry, "nvme_capacity_bytes") == 0.0
     assert gauge(registry, "connections") == 0.0  # the status call's own connection is not counted
 
     rank.store.release("t1")  # no observe() after this: the engine is idle
@@ -127,6 +129,7 @@ def test_gauges_sum_over_ranks_and_a_silent_rank_drops_out(metrics, ranks, caplo
     m.observe(interval([b.addr]))
     assert gauge(registry, "entries") == 2.0 and gauge(registry, "up") == 1.0
     assert gauge(registry, "dram_bytes") == 2 * LAYERS * BLOCKS * SLOT
+    assert gauge(registry, "dram_capacity_bytes") == 2 * 64 * SLOT  # the pool's DRAM over both ranks
 
     b.stop()
     with caplog.at_level(logging.WARNING, logger=prom.__name__):
