@@ -25,7 +25,7 @@ PREFIX = "kvconnectors:"
 Kind = Literal["counter", "histogram", "gauge"]
 Source = Literal["interval", "store", "status"]
 _SOURCES: dict[str, tuple[str, ...]] = {"interval": ("counter", "histogram"), "store": ("counter",),
-                                        "status": ("gauge",)}
+                                        "status": ("gauge", "counter")}
 
 # Data-path names, the `path` label of the transfer metrics: pulls over a socket, from the
 # producer's shared-memory arena, by a NIXL READ into host KV blocks, by a NIXL READ straight into
@@ -111,17 +111,30 @@ STATUS_GAUGES: tuple[Metric, ...] = tuple(
          "no NVMe tier)"),
         ("pinned", "pinned", "entries pinned by a read in progress"),
         ("connections", "active_connections", "open connections to the store server (pulls, pushes, renewals)"),
-        ("auth_failures", "auth_failures", "handshakes that failed the shared-secret proof since the server started "
-         "(a count, growing; logged at most once per 10 s)"),
-        ("integrity_failures", "integrity_failures", "sealed records (wire_protection aead) that failed their "
-         "integrity tag since the server started; each closed its connection (a count, growing)"),
+        # deprecated (README, Naming): counts exported as gauges; the counters below replace them
+        ("auth_failures", "auth_failures", "deprecated, use store_failed_handshakes_total: handshakes that failed "
+         "the shared-secret proof since the server started"),
+        ("integrity_failures", "integrity_failures", "deprecated, use store_failed_seals_total: sealed records that "
+         "failed their integrity tag since the server started"),
+    ))
+
+# Counts the store servers keep since they started, read at scrape time like the gauges above and
+# exported as counters (`_total`), so rate() and increase() apply and alerts read them as counts.
+STATUS_COUNTERS: tuple[Metric, ...] = tuple(
+    Metric(f"{PREFIX}store_{name}", "counter", f"Store: {doc} (read at scrape time, summed over tensor-parallel "
+           "ranks).", "status", field) for name, field, doc in (
+        ("failed_handshakes", "auth_failures", "handshakes that failed the shared-secret proof since the server "
+         "started (logged at most once per 10 s)"),
+        ("failed_seals", "integrity_failures", "sealed records (wire_protection aead) that failed their integrity "
+         "tag since the server started; each closed its connection"),
     ))
 
 # Not a field: whether every rank answered this scrape's status call.
 STORE_UP = Metric(PREFIX + "store_up", "gauge", "1 if every tensor-parallel rank's store server answered this "
                   "scrape's status call, else 0.", "status", "")
 
-ALL: tuple[Metric, ...] = (*INTERVAL, *STORE_COUNTERS, *STATUS_GAUGES, STORE_UP)
+STATUS: tuple[Metric, ...] = (*STATUS_GAUGES, *STATUS_COUNTERS)  # what the scrape-time collector exports
+ALL: tuple[Metric, ...] = (*INTERVAL, *STORE_COUNTERS, *STATUS, STORE_UP)
 
 
 def label_key(*values: str) -> str:

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from kvconnectors.errors import TransferError
@@ -65,10 +65,10 @@ class StoreCollector:
             known = known + [a for a in addrs if a not in known]
             self._engines[engine_idx] = ([str(v) for v in labelvalues], known)
 
-    def describe(self) -> list[GaugeMetricFamily]:
+    def describe(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
         return list(self._families().values())  # names only: registering must not touch the network
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         with self._lock:
             engines = dict(self._engines)
         replies = self._query({a for _, addrs in engines.values() for a in addrs})
@@ -78,13 +78,14 @@ class StoreCollector:
             families[metrics.STORE_UP].add_metric(labelvalues, 1.0 if len(answered) == len(addrs) else 0.0)
             if not answered:
                 continue  # no rank answered: no value, rather than zeros that read as an empty store
-            for m in metrics.STATUS_GAUGES:
+            for m in metrics.STATUS:
                 families[m].add_metric(labelvalues, float(sum(getattr(r, m.key) for r in answered)))
         yield from families.values()
 
-    def _families(self) -> dict[Metric, GaugeMetricFamily]:
-        return {m: GaugeMetricFamily(m.name, m.help, labels=self._labelnames)
-                for m in (*metrics.STATUS_GAUGES, metrics.STORE_UP)}
+    def _families(self) -> dict[Metric, GaugeMetricFamily | CounterMetricFamily]:
+        return {m: (CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily)(m.name, m.help,
+                                                                                      labels=self._labelnames)
+                for m in (*metrics.STATUS, metrics.STORE_UP)}
 
     def _query(self, addrs: set[str]) -> dict[str, wire.StatusReply | None]:
         ordered = sorted(addrs)

@@ -92,7 +92,7 @@ def test_sources_name_real_fields() -> None:
     StatusReply's fields."""
     assert {m.key for m in metrics.STORE_COUNTERS} <= set(FIELDS)
     status_fields = {f.name for f in msgspec.structs.fields(wire.StatusReply)}
-    assert {m.key for m in metrics.STATUS_GAUGES} <= status_fields
+    assert {m.key for m in metrics.STATUS} <= status_fields
     assert len({m.name for m in metrics.ALL}) == len(metrics.ALL), "a name declared twice"
 
 
@@ -113,7 +113,7 @@ def test_a_malformed_declaration_is_refused_with_its_field() -> None:
     with pytest.raises(ValueError, match="buckets"):
         Metric("kvconnectors:x", "histogram", "h", "interval", "x")
     with pytest.raises(ValueError, match="source 'status'"):
-        Metric("kvconnectors:x", "counter", "h", "status", "x")
+        Metric("kvconnectors:x", "histogram", "h", "status", "x", buckets=(1.0,))
     with pytest.raises(ValueError, match="only for interval counters"):
         Metric("kvconnectors:x", "gauge", "h", "status", "x", labels=("a",))
 

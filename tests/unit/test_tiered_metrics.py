@@ -19,6 +19,7 @@ from kvconnectors.tiered import prom
 from kvconnectors.tiered.prom import TieredPromMetrics
 from kvconnectors.tiered.stats import TieredStats
 from kvconnectors.transport import wire
+from kvconnectors.transport.client import store_status
 from kvconnectors.transport.server import StoreServer
 
 SLOT, LAYERS, BLOCKS = 4096, 2, 3
@@ -148,6 +149,23 @@ def test_the_connector_secret_reaches_the_status_call(metrics, ranks) -> None:
     m.observe(interval([rank.addr]))
     assert gauge(registry, "up") == 1.0
     assert rank.server.counters.auth_failures == 0
+
+
+def test_failure_counts_are_exported_as_counters(metrics, ranks) -> None:
+    """A count since the server started is a counter (`_total`, TYPE counter), so rate()/increase()
+    apply; it was only a gauge (issue 41). Seen to fail: with the two counters declared as gauges,
+    the _total sample read None."""
+    m, registry = metrics
+    rank = ranks()
+    with pytest.raises(Exception):  # a peer without the secret fails the proof and is counted
+        store_status("127.0.0.1", rank.server.port, secret=b"wrong-s3cret-wrong-s3cret", timeout_s=2)
+    m.observe(interval([rank.addr]))
+    assert registry.get_sample_value("kvconnectors:store_failed_handshakes_total", LABELS) == 1.0
+    assert registry.get_sample_value("kvconnectors:store_failed_seals_total", LABELS) == 0.0
+    kinds = {f.name: f.type for f in registry.collect()}
+    assert kinds["kvconnectors:store_failed_handshakes"] == "counter", kinds
+    # the deprecated gauge of the same count stays one release (tiered/README.md, Naming)
+    assert gauge(registry, "auth_failures") == 1.0 and kinds["kvconnectors:store_auth_failures"] == "gauge"
 
 
 def test_transfer_bytes_carry_the_data_path(metrics) -> None:
