@@ -201,7 +201,7 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         """What start-up would find on this host, checked now instead of after the model and KV cache
         are loaded: the NVMe directories (created if nvme_create_dirs, unless `create_dirs` is False:
         then a missing one that would be created is passed), the names of the store's files, the
-        secret file. ConfigError naming the setting and the value."""
+        secret file, NIXL for transport nixl. ConfigError naming the setting and the value."""
         from kvconnectors.store.config import StoreConfig  # noqa: PLC0415 - config stays light to import
         from kvconnectors.transport.auth import load_secret  # noqa: PLC0415
 
@@ -215,6 +215,10 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
                     instance_name=f"{self.instance_name}0", dram_prefault=False)
         if self.secret_file:
             load_secret(self.secret_file)
+        if self.transport == "nixl":
+            from kvconnectors.transport.nixl_agent import require_nixl  # noqa: PLC0415 - imports NIXL (~2 s)
+
+            require_nixl()
 
     @property
     def compat(self) -> str | dict[int, str]:
@@ -238,10 +242,6 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
         save_kv_layer, which a replayed full graph skips. vLLM asks before it knows the role."""
         return self.cudagraph_piecewise == "on" or (self.cudagraph_piecewise == "auto" and
                                                     self.transfer_mode == "push")
-
-    @classmethod
-    def wants_piecewise(cls, extra: dict[str, Any] | None) -> bool:
-        return cls.from_extra(extra).piecewise
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "TieredConfig":

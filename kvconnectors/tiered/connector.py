@@ -103,7 +103,12 @@ class TieredConnector(KVConnectorBase_V1):
         # (cudagraph_piecewise, tiered/README.md): push producers stream layer groups from
         # save_kv_layer, which a replayed full graph skips; pull mode and decode instances keep
         # full graphs (layers a graph skipped are staged in wait_for_save, after the forward).
-        return TieredConfig.wants_piecewise(extra_config)
+        # vLLM asks while it builds its config, before any model loads (on CUDA, where graphs are
+        # on by default): the earliest point the connector sees its settings, so the checks of what
+        # start-up needs on this host run here too, not minutes later (issue 41).
+        config = TieredConfig.from_extra(extra_config)
+        config.check_local(create_dirs=False)
+        return config.piecewise
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.connector_scheduler is not None:

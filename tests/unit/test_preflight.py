@@ -180,3 +180,28 @@ def test_the_served_model_name_is_the_model_id_as_vllm_names_it():
     assert srv.served_model_name == "meta-llama/Llama-3.1-8B-Instruct"
     cmd = srv.command()
     assert cmd[cmd.index("--served-model-name") + 1] == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+# ------------------------------------------------------------------------ checks before the model loads
+def test_vllms_config_time_hook_runs_the_local_checks(tmp_path):
+    """vLLM asks requires_piecewise_for_cudagraph while it builds its config (CUDA, graphs on), before
+    any model loads: a missing NVMe directory is refused there, not after minutes of loading."""
+    from kvconnectors.tiered.connector import TieredConnector
+
+    missing = tmp_path / "nvme0"
+    with pytest.raises(ConfigError) as err:
+        TieredConnector.requires_piecewise_for_cudagraph({"nvme_dirs": [str(missing)], "nvme_bytes": "1g"})
+    assert err.value.key == "nvme_dirs"
+    # a directory start-up would create is left to it: asking does not make directories
+    assert TieredConnector.requires_piecewise_for_cudagraph(
+        {"nvme_dirs": [str(missing)], "nvme_bytes": "1g", "nvme_create_dirs": True}) is False
+    assert not missing.exists()
+
+
+def test_transport_nixl_without_nixl_is_refused_before_start(monkeypatch):
+    from kvconnectors.transport import nixl_agent
+
+    monkeypatch.setattr(nixl_agent, "nixl_import_error", lambda: "ModuleNotFoundError: No module named 'nixl'")
+    with pytest.raises(ConfigError, match="transport='nixl': needs the NIXL Python package"):
+        preflight.check_transfer_config({"kv_connector": "TieredConnector", "kv_role": "kv_producer",
+                                         "kv_connector_extra_config": {"transport": "nixl"}})
