@@ -52,9 +52,10 @@ class PDCluster:
                  proxy_args: Sequence[str] = (), log_dir: Path | None = None, health_timeout: float = 300.0,
                  proxy_process: bool = False, mode: str = "pull", device: str = "auto", gpus: str | None = None,
                  hosts: "Hosts | None" = None, placement: Mapping[str, str] | None = None,
-                 prefill_tp: int | None = None, decode_tp: int | None = None):
+                 prefill_tp: int | None = None, decode_tp: int | None = None, test_settings: bool = True):
         """`device` and `gpus` as serve-pd's --device and --gpus (e.g. gpus="0,1"), `prefill_tp` and
-        `decode_tp` as its --prefill-tp and --decode-tp. `hosts` and
+        `decode_tp` as its --prefill-tp and --decode-tp, `test_settings` as its --test-settings (on:
+        tests and benchmarks compare transfers, which a prefix-cache hit would hide). `hosts` and
         `placement` put instances on emulated hosts: placement maps an instance name (prefill-0) or
         a role (prefill, decode, proxy) to a host name of `hosts`; run requests from
         `inside_client()`."""
@@ -65,7 +66,7 @@ class PDCluster:
             model, connector=connector, transport=transport, prefill=prefill, decode=decode,
             kv_transfer_config_extra=json.dumps(kv_extra) if kv_extra else None, vllm_args=vllm_args,
             health_timeout=health_timeout, proxy_port=free_port(), log_dir=str(self.log_dir), mode=mode,
-            device=device, gpus=gpus, prefill_tp=prefill_tp, decode_tp=decode_tp)
+            device=device, gpus=gpus, prefill_tp=prefill_tp, decode_tp=decode_tp, test_settings=test_settings)
         launcher.validate(self.args)
         self.plans = launcher.plan_instances(self.args)
         self.hosts, self.placement = hosts, dict(placement or {})

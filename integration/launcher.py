@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import kvconnectors
 from kvconnectors.cli_types import PortInUseError, check_port_free, port_or_zero, positive_float, positive_int
 from kvconnectors.integration import preflight
-from kvconnectors.serving import (CPU_DEFAULT_ARGS, CPU_KV_CACHE_BYTES, CUDA_DEFAULT_ARGS, ServerStartError,
+from kvconnectors.serving import (CPU_ENGINE_ARGS, CPU_KV_CACHE_BYTES, TEST_SETTINGS_ARGS, ServerStartError,
+                                  device_defaults,
                                   VllmServer, free_port, free_port_block, stop_all)
 from kvconnectors.transport.exposure import check_exposure, is_loopback, is_wildcard
 
@@ -469,6 +470,7 @@ def build_server(plan: InstancePlan, args: argparse.Namespace, log_dir: Path) ->
         args.model, name=plan.name, served_model_name=args.served_model_name or str(args.model),
         host=plan.host or args.host,
         port=plan.port, extra_args=server_args(plan, args), env=plan.env, core=plan.core,
+        defaults=device_defaults(plan.device, test_settings=bool(getattr(args, "test_settings", False))),
         device=plan.device, pythonpath=[PACKAGE_ROOT], log_path=log_dir / f"{plan.name}.log",
         stream_logs=not args.quiet, health_timeout=args.health_timeout)
 
@@ -573,7 +575,7 @@ def check_host_exposure(args: argparse.Namespace) -> None:
                    risk="send requests to the servers, and read and release staged KV")
 
 
-# A CPU host's store is the size of the KV cache it serves (CPU_DEFAULT_ARGS), not the connector's
+# A CPU host's store is the size of the KV cache it serves (CPU_ENGINE_ARGS), not the connector's
 # 1 GiB default: faulting in an arena is most of a store's start-up, paid by every instance.
 CPU_STORE_DEFAULTS: dict[str, Any] = {"kv_connector_extra_config": {"dram_bytes": CPU_KV_CACHE_BYTES}}
 
@@ -687,12 +689,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "{\"lease_ttl_s\":30}}'")
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                         help="where the servers run. cpu: vLLM's CPU backend, one core per instance, with "
-                             "the CPU defaults (" + " ".join(CPU_DEFAULT_ARGS) + ", VLLM_CPU_OMP_THREADS_BIND, "
+                             "the CPU defaults (" + " ".join(CPU_ENGINE_ARGS) + ", VLLM_CPU_OMP_THREADS_BIND, "
                              f"a TieredConnector DRAM tier of {CPU_KV_CACHE_BYTES >> 20} MiB (dram_bytes), "
                              "UCX on loopback). cuda: GPUs per instance through CUDA_VISIBLE_DEVICES (see "
-                             "--gpus), vLLM's own defaults but " + " ".join(CUDA_DEFAULT_ARGS) + ", no pinning, "
+                             "--gpus), vLLM's own defaults, no pinning, "
                              "NixlConnector with kv_buffer_device cuda. auto: cuda when --gpus is given or the "
                              "installed torch sees a CUDA device, else cpu")
+    parser.add_argument("--test-settings", action="store_true",
+                        help="for tests and benchmarks: add " + " ".join(TEST_SETTINGS_ARGS) + " to every "
+                             "instance (no prefix cache, so a repeated prompt moves its KV again; one seed). "
+                             "A production pool runs without them")
     parser.add_argument("--gpus", type=gpu_list, default=None, metavar="IDS",
                         help="CUDA only: comma-separated GPU indices (as nvidia-smi numbers them) or UUIDs, "
                              "handed out in order, prefill instances first, then decode; each instance "

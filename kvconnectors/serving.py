@@ -34,9 +34,11 @@ import psutil
 from kvconnectors.errors import KVConnectorError
 from kvconnectors.transport.ucx_env import CPU_DEFAULT_ENV  # UCX (NIXL) on loopback, no InfiniBand
 
-# On any device: no prefix cache (it would hide transfers: a repeated prompt would be served from the
-# decode's own cache), and one seed.
-COMMON_DEFAULT_ARGS: tuple[str, ...] = (
+# Test settings, on any device: no prefix cache (it would hide transfers: a repeated prompt would be
+# served from the decode's own cache), and one seed. VllmServer applies them unless told otherwise
+# (tests and benchmarks); `kvconnectors serve-pd` only with --test-settings: a production pool runs
+# vLLM's defaults.
+TEST_SETTINGS_ARGS: tuple[str, ...] = (
     "--no-enable-prefix-caching",
     "--seed", "0",
 )
@@ -44,18 +46,24 @@ COMMON_DEFAULT_ARGS: tuple[str, ...] = (
 # CPU attention kernel accepts (multiple of 32), an explicit KV budget (the default
 # gpu_memory_utilization reserves 92% of host RAM). None of these belongs on a GPU.
 CPU_KV_CACHE_BYTES = 256 * 2**20
-CPU_DEFAULT_ARGS: tuple[str, ...] = (
+CPU_ENGINE_ARGS: tuple[str, ...] = (
     "--dtype", "float32",
     "--enforce-eager",
     "--max-model-len", "2048",
     "--block-size", "32",
     "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES),
-    *COMMON_DEFAULT_ARGS,
 )
+CPU_DEFAULT_ARGS: tuple[str, ...] = (*CPU_ENGINE_ARGS, *TEST_SETTINGS_ARGS)
 # On CUDA vLLM's own defaults (model dtype, CUDA graphs, the model's context length, KV cache sized by
 # --gpu-memory-utilization) are the right ones.
-CUDA_DEFAULT_ARGS: tuple[str, ...] = COMMON_DEFAULT_ARGS
+CUDA_DEFAULT_ARGS: tuple[str, ...] = TEST_SETTINGS_ARGS
 DEVICES = ("cpu", "cuda")
+
+
+def device_defaults(device: str, *, test_settings: bool = True) -> tuple[str, ...]:
+    """A server's default vLLM flags on `device`, with or without the test settings."""
+    base = CPU_ENGINE_ARGS if device == "cpu" else ()
+    return (*base, *TEST_SETTINGS_ARGS) if test_settings else base
 
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -280,7 +288,7 @@ class VllmServer:
         self.core = core
         self.device = device
         if defaults is None:
-            defaults = CPU_DEFAULT_ARGS if device == "cpu" else CUDA_DEFAULT_ARGS
+            defaults = device_defaults(device)
         self.defaults = list(defaults)
         self.python = python
         self.pythonpath = [str(p) for p in pythonpath]

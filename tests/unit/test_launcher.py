@@ -22,7 +22,7 @@ import pytest
 from kvconnectors.integration import launcher as L
 
 from launcher_kit import counter, parse  # noqa: E402
-from kvconnectors.serving import CPU_DEFAULT_ARGS, CPU_KV_CACHE_BYTES, free_port
+from kvconnectors.serving import CPU_DEFAULT_ARGS, CPU_KV_CACHE_BYTES, TEST_SETTINGS_ARGS, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "integration" / "configs"
@@ -61,6 +61,23 @@ def test_tiered_default_transport_is_tcp_and_extra_is_deep_merged():
                                                                  "dram_bytes": CPU_KV_CACHE_BYTES}
     assert d.kv_addr == "127.0.0.1:7777"  # the address follows an overridden store_port
     assert p.core == d.core == 0
+
+
+def test_a_production_pool_gets_no_test_settings():
+    """serve-pd forced --no-enable-prefix-caching --seed 0 (test settings) on every pool (issue 41):
+    a production pool runs vLLM's defaults, prefix cache on; --test-settings (tests, benchmarks, and
+    PDCluster by default) adds them."""
+    def flags(*argv: str) -> list[str]:
+        args = parse(*argv)
+        return L.build_server(L.plan_instances(args, cores=[0], port_fn=counter())[0], args, Path("/tmp/l")).command()
+    production = flags()
+    assert not set(TEST_SETTINGS_ARGS) & set(production), production
+    assert "--enforce-eager" in production  # the CPU engine flags stay
+    assert " ".join(TEST_SETTINGS_ARGS) in " ".join(flags("--test-settings"))
+    from kvconnectors.integration.cluster import PDCluster
+
+    pd = PDCluster("/models/tiny", device="cpu", log_dir=Path("/tmp/l"))
+    assert " ".join(TEST_SETTINGS_ARGS) in " ".join(pd.servers[0].command())
 
 
 def test_cpu_store_is_the_size_of_the_kv_cache_unless_set():

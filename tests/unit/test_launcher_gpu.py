@@ -67,8 +67,7 @@ def test_cuda_host_gets_gpus_and_no_cpu_only_flags(cuda_host):
         cmd, env = srv.command(), srv.environment()
         assert not set(CPU_ONLY_ARGS) & set(cmd), cmd
         assert "float32" not in cmd
-        assert cmd[cmd.index("--port") + 2:] == ["--no-enable-prefix-caching", "--seed", "0",
-                                                 "--kv-transfer-config", cmd[cmd.index("--kv-transfer-config") + 1],
+        assert cmd[cmd.index("--port") + 2:] == ["--kv-transfer-config", cmd[cmd.index("--kv-transfer-config") + 1],
                                                  "--max-num-seqs", "8"]
         assert env["CUDA_VISIBLE_DEVICES"] == ",".join(plan.gpus)
         assert not set(CPU_ONLY_ENV) & set(env), sorted(set(CPU_ONLY_ENV) & set(env))
@@ -82,7 +81,7 @@ def test_cpu_host_keeps_every_cpu_flag(monkeypatch):
     args = parse()
     for i, srv in enumerate(servers(args)):
         cmd, env = srv.command(), srv.environment()
-        assert list(serving.CPU_DEFAULT_ARGS) == cmd[cmd.index("--port") + 2:cmd.index("--kv-transfer-config")]
+        assert list(serving.CPU_ENGINE_ARGS) == cmd[cmd.index("--port") + 2:cmd.index("--kv-transfer-config")]
         assert set(CPU_ONLY_ARGS) <= set(cmd) and cmd[cmd.index("--dtype") + 1] == "float32"
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(i) and srv.core == i and srv.launch_argv()[3] == str(i)
         assert env["UCX_MODULES"] == "^ib" and env["UCX_NET_DEVICES"] == "lo"
