@@ -94,7 +94,7 @@ class InProcess:
     async def __aenter__(self) -> "InProcess":
         await self.up.start()
         cfg = P.ProxyConfig(prefill=[P.InstanceSpec(self.up.url)], decode=[P.InstanceSpec(self.up.url)],
-                            health_interval=60.0, **self.config)
+                            health_interval=60.0, kv_both=True, **self.config)  # one fake plays both roles
         self.proxy = P.PDProxy(cfg)
         self.port = await self.proxy.start("127.0.0.1", 0)
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
@@ -206,7 +206,7 @@ class ProxyProcess:
 
     def __init__(self, up: Upstream, *args: str):
         self.cmd = [sys.executable, "-m", "kvconnectors.integration.proxy", "--prefill", up.url, "--decode", up.url,
-                    "--port", "0", "--health-interval", "60", "--log-level", "INFO", *args]
+                    "--kv-both", "--port", "0", "--health-interval", "60", "--log-level", "INFO", *args]
         self.proc: asyncio.subprocess.Process | None = None
         self.port: int | None = None
 

@@ -368,14 +368,14 @@ def test_metrics_and_health_behind_a_token(tmp_path):
 
 @pytest.mark.parametrize("key", ["push_target", "transfer_mode", "kvc_fault", "kvc"])
 def test_transfer_plane_keys_are_refused_unless_unlocked(key, capsys):
-    specs = {"prefill": [P.InstanceSpec("http://127.0.0.1:1")], "decode": [P.InstanceSpec("http://127.0.0.1:1")]}
+    specs = {"prefill": [P.InstanceSpec("http://127.0.0.1:1")], "decode": [P.InstanceSpec("http://127.0.0.1:2")]}
     with pytest.raises(ValueError) as refused:
         P.ProxyConfig(**specs, forward_kv_params=("priority_hint", key)).validate()
     message = str(refused.value)
     assert "--forward-kv-params" in message and repr(key) in message and "--unlock-transfer-keys" in message, message
     P.ProxyConfig(**specs, forward_kv_params=("priority_hint", key), unlock_transfer_keys=True).validate()
     P.ProxyConfig(**specs, forward_kv_params=("priority_hint",)).validate()  # other keys pass as before
-    rc = P.main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:1", "--port", "0",
+    rc = P.main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0",
                  "--forward-kv-params", key])
     err = capsys.readouterr().err
     assert rc == 2 and "--forward-kv-params" in err and repr(key) in err, err
