@@ -54,14 +54,13 @@ CPU_ENGINE_ARGS: tuple[str, ...] = (
     "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES),
 )
 CPU_DEFAULT_ARGS: tuple[str, ...] = (*CPU_ENGINE_ARGS, *TEST_SETTINGS_ARGS)
-# On CUDA vLLM's own defaults (model dtype, CUDA graphs, the model's context length, KV cache sized by
-# --gpu-memory-utilization) are the right ones.
-CUDA_DEFAULT_ARGS: tuple[str, ...] = TEST_SETTINGS_ARGS
 DEVICES = ("cpu", "cuda")
 
 
 def device_defaults(device: str, *, test_settings: bool = True) -> tuple[str, ...]:
-    """A server's default vLLM flags on `device`, with or without the test settings."""
+    """A server's default vLLM flags on `device`, with or without the test settings. On CUDA vLLM's
+    own defaults (model dtype, CUDA graphs, the model's context length, KV cache sized by
+    --gpu-memory-utilization) are the right ones: only the test settings are added."""
     base = CPU_ENGINE_ARGS if device == "cpu" else ()
     return (*base, *TEST_SETTINGS_ARGS) if test_settings else base
 
@@ -246,10 +245,10 @@ class VllmServer:
     (vLLM's argparse keeps the last value). `env` is applied on top of the inherited environment
     and the device's defaults.
 
-    `device` picks those defaults: "cpu" (CPU_DEFAULT_ARGS, the CPU-host UCX settings, and with
-    `core` the whole tree pinned and VLLM_CPU_OMP_THREADS_BIND) or "cuda" (CUDA_DEFAULT_ARGS and
-    nothing CPU-specific; `core` must be None, and the caller picks GPUs with CUDA_VISIBLE_DEVICES
-    in `env`).
+    `device` picks those defaults (`device_defaults`): "cpu" (CPU_DEFAULT_ARGS, the CPU-host UCX
+    settings, and with `core` the whole tree pinned and VLLM_CPU_OMP_THREADS_BIND) or "cuda" (the
+    test settings and nothing CPU-specific; `core` must be None, and the caller picks GPUs with
+    CUDA_VISIBLE_DEVICES in `env`).
     """
 
     def __init__(

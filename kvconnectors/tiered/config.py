@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 import typing
 from typing import Annotated, Any, Literal
 
@@ -207,12 +206,16 @@ class TieredConfig(msgspec.Struct, dict=True):  # dict=True: room for the derive
 
         dirs = self.nvme_dirs if create_dirs or not self.nvme_create_dirs else [
             d for d in self.nvme_dirs if os.path.lexists(d)]
-        # slot_bytes is the model's block size, unknown here: one byte checks everything else
-        if not re.fullmatch(r"[A-Za-z0-9_.]{1,60}", self.instance_name):  # the store adds the rank
-            raise ConfigError("instance_name", self.instance_name, "must be 1-60 characters of [A-Za-z0-9_.]")
-        StoreConfig(slot_bytes=1, dram_bytes=self.dram_bytes, nvme_dirs=dirs, nvme_bytes=self.nvme_bytes if dirs else 0,
-                    nvme_create_dirs=self.nvme_create_dirs and create_dirs, lease_ttl_s=self.lease_ttl_s,
-                    instance_name=f"{self.instance_name}0", dram_prefault=False)
+        # slot_bytes is the model's block size, unknown here: one byte checks everything else. The
+        # store's instance_name is ours plus the rank (worker.py); its refusal names ours.
+        try:
+            StoreConfig(slot_bytes=1, dram_bytes=self.dram_bytes, nvme_dirs=dirs,
+                        nvme_bytes=self.nvme_bytes if dirs else 0, nvme_create_dirs=self.nvme_create_dirs and create_dirs,
+                        lease_ttl_s=self.lease_ttl_s, instance_name=f"{self.instance_name}0", dram_prefault=False)
+        except ConfigError as exc:
+            if exc.key != "instance_name":
+                raise
+            raise ConfigError("instance_name", self.instance_name, exc.why) from None
         if self.secret_file:
             load_secret(self.secret_file)
         if self.transport == "nixl":

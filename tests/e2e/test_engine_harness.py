@@ -14,13 +14,14 @@ import os
 
 import pytest
 
+from kvconnectors.testing import process_state
 from kvconnectors.testing.engines import generate_ids, llm_engine
 
 pytestmark = [pytest.mark.engine]
 
 
 def test_an_in_process_engine_leaves_affinity_and_environment_as_they_were(tiny_model: str) -> None:
-    cores = set(range(os.cpu_count() or 1))
+    cores = process_state.all_cores()
     os.sched_setaffinity(0, cores)
     env = dict(os.environ)
     with llm_engine(tiny_model) as llm:

@@ -21,7 +21,7 @@ import pytest
 
 from kvconnectors.integration.cluster import PDCluster
 from kvconnectors.serving import VllmServer, complete, process_tree, stop_all, tree_affinities
-from kvconnectors.testing import cpu
+from kvconnectors.testing import cpu, process_state
 from kvconnectors.transport.client import store_status
 from kvconnectors.transport.client_pool import MAX_IDLE_PER_PEER
 from kvconnectors.testing.compare import assert_same_tokens
@@ -78,9 +78,8 @@ class PlainPair:
 
 @pytest.fixture(scope="module")
 def plain_pair(tiny_model: str, tmp_path_factory) -> PlainPair:
-    # The machine's cores, not this process's affinity: in-process engines earlier in the session
-    # pin the test process to one core.
-    cores = list(range(os.cpu_count() or 1))
+    # The machine's cores, not this process's affinity (which something run in-process may narrow).
+    cores = sorted(process_state.all_cores())
     if len(cores) < 2:
         pytest.skip("needs two cores to pin two servers apart")
     log_dir = tmp_path_factory.mktemp("plain")
